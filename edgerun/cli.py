@@ -1,0 +1,101 @@
+"""The `edgerun` command. The only place (with the TUI) that turns errors into exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from edgerun import settings as defaults
+from edgerun.errors import EdgerunError
+
+
+def _add_model_args(p: argparse.ArgumentParser, *, positional: bool = False) -> None:
+    if positional:
+        p.add_argument("model", nargs="?", default=None, help="catalog name, hf:// URI or .gguf path")
+    else:
+        p.add_argument("-m", "--model", default=None, help="catalog name, hf:// URI or .gguf path")
+    e = defaults.EngineSettings()
+    p.add_argument("--ctx", type=int, default=e.n_ctx, help=f"context size in tokens (default {e.n_ctx})")
+    p.add_argument("--n-batch", type=int, default=e.n_batch, help="prompt tokens per llama_decode call")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--gpu-layers", default=e.gpu_layers, help="auto, 0, or a layer count")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    s = defaults.SamplerSettings()
+    p.add_argument("--temp", type=float, default=s.temperature, help=f"temperature (default {s.temperature}; 0 = greedy)")
+    p.add_argument("--top-p", type=float, default=s.top_p)
+    p.add_argument("--top-k", type=int, default=s.top_k)
+    p.add_argument("--min-p", type=float, default=s.min_p)
+    p.add_argument("--repeat-penalty", type=float, default=s.repeat_penalty)
+    p.add_argument("--seed", type=int, default=None, help="RNG seed (default: random)")
+    p.add_argument("-n", "--max-tokens", type=int, default=defaults.MAX_TOKENS)
+    p.add_argument("--system", default=defaults.DEFAULT_SYSTEM_PROMPT, help="system prompt")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgerun", description="Local LLM runner on llama.cpp.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log on stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="one prompt, reply streamed to stdout")
+    p.add_argument("prompt", help="the prompt ('-' reads stdin)")
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.add_argument("--raw", action="store_true", help="skip the chat template")
+    p.add_argument("--stats-json", type=Path, default=None, help="write the reply's stats as JSON here")
+
+    p = sub.add_parser("chat", help="chat with a model")
+    _add_model_args(p, positional=True)
+    _add_sampling_args(p)
+    p.add_argument("--plain", action="store_true", help="a plain streaming REPL instead of the app")
+
+    p = sub.add_parser("pull", help="download a model (prints its path)")
+    p.add_argument("model", nargs="?", help="catalog name, hf://org/repo/file.gguf, or a path")
+    p.add_argument("--default", action="store_true", help="the default target and its draft")
+
+    sub.add_parser("list", help="catalog and local models")
+
+    p = sub.add_parser("rm", help="delete a downloaded model")
+    p.add_argument("model")
+
+    p = sub.add_parser("doctor", help="backend, hardware, models, and the offload plan")
+    p.add_argument("-m", "--model", default=None)
+    return parser
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if not verbose:
+        logging.getLogger("edgerun.llama").setLevel(logging.CRITICAL)
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        from edgerun import commands
+
+        return getattr(commands, f"cmd_{args.command}")(args)
+    except EdgerunError as exc:
+        print(f"edgerun: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("edgerun: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # the reader went away (e.g. `| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

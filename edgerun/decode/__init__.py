@@ -1,0 +1,1 @@
+"""Decoding: sampling, the generate loop, and its statistics."""

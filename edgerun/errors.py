@@ -1,0 +1,42 @@
+"""The error tree. Library code raises these; only the CLI and the TUI turn them into exit codes
+or notifications. Every message says what is wrong and what to do, on one line."""
+
+
+class EdgerunError(Exception):
+    """Base of every error edgerun reports to a user."""
+
+    exit_code = 1
+
+
+class UnknownModel(EdgerunError):
+    """A name that is neither in the catalog, nor a file, nor an hf:// URI."""
+
+
+class ModelNotFound(EdgerunError):
+    """A catalog model that is not downloaded, or a path that does not exist."""
+
+
+class InvalidModelFile(EdgerunError):
+    """A file that is not a well-formed GGUF edgerun can run."""
+
+
+class FetchError(EdgerunError):
+    """Every source of a model failed."""
+
+
+class ChecksumMismatch(FetchError):
+    """A downloaded file whose sha256 is not the catalog's."""
+
+
+class DiskFull(FetchError):
+    """Not enough free space to store a model."""
+
+
+class ConfigError(EdgerunError):
+    """Settings that cannot work together (e.g. a context larger than the model supports)."""
+
+    exit_code = 2
+
+
+class EngineError(EdgerunError):
+    """llama.cpp refused to load or run something."""

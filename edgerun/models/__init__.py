@@ -1,0 +1,1 @@
+"""Models: the catalog, fetching, and GGUF validation."""

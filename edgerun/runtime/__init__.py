@@ -1,0 +1,1 @@
+"""Runtime: llama.cpp through llama-cpp-python's low-level API, placement, logging."""

@@ -1,0 +1,201 @@
+"""llama.cpp model and context through llama-cpp-python's low-level API.
+
+One owner per native handle (model, context, batch, sampler), each a context manager with a
+deterministic close. Nothing here relies on __del__."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+from edgerun.errors import ConfigError, EngineError
+from edgerun.models.gguf_check import GGUFInfo, inspect
+from edgerun.runtime import llama_log
+from edgerun.settings import EngineSettings
+
+llama_log.install()
+llama_cpp.llama_backend_init()
+
+
+class Model:
+    """Owns a llama_model*. Validated with gguf-py before llama.cpp sees the file."""
+
+    def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, info: GGUFInfo | None = None):
+        self.info = info or inspect(path)
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        self.n_gpu_layers = n_gpu_layers
+        self.ptr = llama_cpp.llama_model_load_from_file(str(self.info.path).encode(), params)
+        if not self.ptr:
+            raise EngineError(f"{self.info.path}: llama.cpp could not load the model (see the log with -v)")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.ptr)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.ptr)
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        self._piece = ctypes.create_string_buffer(256)
+
+    def close(self) -> None:
+        if self.ptr:
+            llama_cpp.llama_model_free(self.ptr)
+            self.ptr = None
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def bos(self) -> int:
+        return llama_cpp.llama_vocab_bos(self.vocab)
+
+    @property
+    def eos(self) -> int:
+        return llama_cpp.llama_vocab_eos(self.vocab)
+
+    @property
+    def eot(self) -> int:
+        return llama_cpp.llama_vocab_eot(self.vocab)
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:  # buffer too small: -n is the size needed
+            cap = -n
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise EngineError("tokenization failed")
+        return list(buf[:n])
+
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        """The bytes of one token (may be part of a UTF-8 character)."""
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, self._piece, len(self._piece), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+            return buf.raw[:n]
+        return self._piece.raw[:n]
+
+
+class Batch:
+    """Owns a llama_batch sized for n_batch tokens of one sequence."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.raw = llama_cpp.llama_batch_init(capacity, 0, 1)
+        self._closed = False
+
+    def fill(self, tokens: list[int], start_pos: int, *, all_logits: bool = False) -> None:
+        b = self.raw
+        n = len(tokens)
+        if n > self.capacity:
+            raise ValueError(f"batch of {n} tokens exceeds capacity {self.capacity}")
+        b.n_tokens = n
+        for i, tok in enumerate(tokens):
+            b.token[i] = tok
+            b.pos[i] = start_pos + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = all_logits
+        b.logits[n - 1] = True
+
+    def close(self) -> None:
+        if not self._closed:
+            llama_cpp.llama_batch_free(self.raw)
+            self._closed = True
+
+    def __enter__(self) -> "Batch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Context:
+    """Owns a llama_context* and its batch; remembers which tokens its KV cache holds, so a
+    new prompt that extends the last one (a chat turn) evaluates only the new part."""
+
+    def __init__(self, model: Model, settings: EngineSettings):
+        self.model = model
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = settings.n_ctx
+        params.n_batch = settings.n_batch
+        params.n_ubatch = min(settings.n_ubatch, settings.n_batch)
+        params.n_threads = settings.n_threads
+        params.n_threads_batch = settings.n_threads
+        params.no_perf = True
+        self.ptr = llama_cpp.llama_init_from_model(model.ptr, params)
+        if not self.ptr:
+            raise EngineError(f"llama.cpp could not create a context of {settings.n_ctx} tokens (out of memory?)")
+        self.n_ctx = llama_cpp.llama_n_ctx(self.ptr)
+        self.n_batch = settings.n_batch
+        self.batch = Batch(self.n_batch)
+        self.mem = llama_cpp.llama_get_memory(self.ptr)
+        self.tokens: list[int] = []  # what the KV cache holds, position by position
+
+    def close(self) -> None:
+        if self.ptr:
+            self.batch.close()
+            llama_cpp.llama_free(self.ptr)
+            self.ptr = None
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def trim(self, n_keep: int) -> None:
+        """Drop KV cache entries from position n_keep on."""
+        if n_keep < len(self.tokens):
+            if not llama_cpp.llama_memory_seq_rm(self.mem, 0, n_keep, -1):
+                raise EngineError("llama.cpp could not trim the KV cache")
+            del self.tokens[n_keep:]
+
+    def eval(self, tokens: list[int], *, all_logits: bool = False) -> None:
+        """Append tokens to the KV cache, n_batch at a time; logits for the last token (or all)."""
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            raise ConfigError(
+                f"context is full ({len(self.tokens)} + {len(tokens)} tokens > {self.n_ctx});"
+                " start a new conversation or raise --ctx"
+            )
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            self.batch.fill(chunk, len(self.tokens), all_logits=all_logits)
+            rc = llama_cpp.llama_decode(self.ptr, self.batch.raw)
+            if rc != 0:
+                raise EngineError(f"llama_decode failed with code {rc}")
+            self.tokens.extend(chunk)
+
+    def prefill(self, prompt: list[int]) -> int:
+        """Make the cache hold exactly `prompt`, reusing the longest common prefix.
+        Returns how many tokens were evaluated."""
+        keep = 0
+        for a, b in zip(self.tokens, prompt):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(prompt) - 1)  # re-evaluate at least one token to get its logits
+        self.trim(keep)
+        self.eval(prompt[keep:])
+        return len(prompt) - keep
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        """Logits of output i of the last decode (-1: the last), as a NumPy view (no copy)."""
+        ptr = llama_cpp.llama_get_logits_ith(self.ptr, i)
+        if not ptr:
+            raise EngineError(f"no logits for output {i}")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))

@@ -1,0 +1,46 @@
+"""Route llama.cpp's log into Python's logging (never raw to the terminal: it would tear a TUI)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import llama_cpp
+
+log = logging.getLogger("edgerun.llama")
+
+# ggml_log_level: 0 none, 1 info, 2 warn, 3 error, 4 debug, 5 continue the previous line
+_LEVELS = {0: logging.CRITICAL, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.DEBUG}
+
+
+class _LineBuffer:
+    """llama.cpp logs in fragments (level 5 continues the last); emit whole lines only."""
+
+    def __init__(self) -> None:
+        self.level = logging.INFO
+        self.text = ""
+
+    def feed(self, level: int, text: str) -> None:
+        if level != 5:
+            self.level = _LEVELS.get(level, logging.INFO)
+        self.text += text
+        while "\n" in self.text:
+            line, self.text = self.text.split("\n", 1)
+            if line.strip():
+                log.log(self.level, "%s", line)
+
+
+_buffer = _LineBuffer()
+
+
+@llama_cpp.llama_log_callback
+def _callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    _buffer.feed(level, text.decode("utf-8", errors="replace"))
+
+
+def install() -> None:
+    """Point llama.cpp's log at `logging`. Safe to call more than once."""
+    llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
+
+
+install()

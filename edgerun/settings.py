@@ -1,0 +1,49 @@
+"""Every default in one place. CLI flags, the TUI and the docs read them from here."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import psutil
+
+
+def physical_cores() -> int:
+    """llama.cpp decodes fastest with one thread per physical core (hyper-threads only contend)."""
+    return psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def replace(self, **changes) -> "SamplerSettings":
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int = dataclasses.field(default_factory=physical_cores)
+    gpu_layers: str = "auto"  # "auto", or a layer count as text
+    flash_attn: bool = False
+
+    def replace(self, **changes) -> "EngineSettings":
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+MAX_TOKENS = 512
+DEFAULT_SYSTEM_PROMPT: str | None = None  # None: the model's template decides
+HUB_TIMEOUT_S = 5.0  # how long to wait for the hub before falling back to the mirror

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One idempotent setup from a fresh clone: .venv, llama-cpp-python built for this machine,
+# edgerun installed, default models fetched. On a ready machine it takes seconds.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+LLAMA_CPP_VERSION=0.3.36
+venv="$root/.venv"
+py="$venv/bin/python"
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+
+if [ ! -x "$py" ]; then
+  log "creating $venv"
+  python3 -m venv "$venv"
+fi
+
+# Pick the ggml backend. CUDA when nvcc and an NVIDIA GPU are both present. Otherwise a CPU
+# build with GGML_NATIVE off: -march=native also turns on AMX, whose matmul path crashes on
+# VMs that report AMX but cannot run it, so enable each x86 extension the CPU lists, never AMX.
+cpu_flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+has() { [[ " $cpu_flags " == *" $1 "* ]]; }
+onoff() { if has "$1"; then echo ON; else echo OFF; fi; }
+if command -v nvcc >/dev/null 2>&1 && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  backend=cuda
+  cmake_args="-DGGML_CUDA=ON -DGGML_NATIVE=OFF -DCMAKE_CUDA_ARCHITECTURES=${EDGERUN_CUDA_ARCH:-native}"
+else
+  backend=cpu
+  cmake_args="-DGGML_NATIVE=OFF"
+fi
+if [ -n "$cpu_flags" ]; then
+  cmake_args+=" -DGGML_AVX=$(onoff avx) -DGGML_AVX2=$(onoff avx2) -DGGML_FMA=$(onoff fma)"
+  cmake_args+=" -DGGML_F16C=$(onoff f16c) -DGGML_BMI2=$(onoff bmi2) -DGGML_AVX512=$(onoff avx512f)"
+  cmake_args+=" -DGGML_AVX512_VBMI=$(onoff avx512vbmi) -DGGML_AVX512_VNNI=$(onoff avx512_vnni)"
+  cmake_args+=" -DGGML_AVX512_BF16=$(onoff avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+fi
+cmake_args+=" -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
+
+stamp="$venv/.llama-cpp-python.stamp"
+want="$LLAMA_CPP_VERSION $backend $cmake_args"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  log "building llama-cpp-python $LLAMA_CPP_VERSION ($backend backend; takes a few minutes)"
+  "$py" -m pip install -q --upgrade pip scikit-build-core cmake ninja >&2
+  sdist="${EDGERUN_LLAMA_SDIST:-llama-cpp-python==$LLAMA_CPP_VERSION}"
+  CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    "$py" -m pip install --no-cache-dir --force-reinstall --no-deps --no-binary llama-cpp-python "$sdist" >&2
+  echo "$want" > "$stamp"
+fi
+
+# edgerun itself (editable), re-installed only when pyproject.toml or native/ changed.
+estamp="$venv/.edgerun.stamp"
+ehash=$(cat pyproject.toml $(find native -type f 2>/dev/null | sort) 2>/dev/null | sha256sum | cut -d' ' -f1)
+if [ ! -f "$estamp" ] || [ "$(cat "$estamp")" != "$ehash" ]; then
+  log "installing edgerun"
+  "$py" -m pip install -q -e ".[dev]" >&2
+  echo "$ehash" > "$estamp"
+fi
+
+if [ "${EDGERUN_SKIP_MODELS:-0}" != 1 ]; then
+  "$venv/bin/edgerun" pull --default >/dev/null
+fi
+log "ready: $venv/bin/edgerun"
