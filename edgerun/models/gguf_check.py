@@ -6,6 +6,9 @@ to lie inside the file, so only well-formed files reach native code."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 import struct
 from dataclasses import dataclass, field
@@ -14,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, MODEL_ARCH_NAMES
 
+from edgerun import paths
 from edgerun.errors import InvalidModelFile, ModelNotFound
 
 GGUF_MAGIC = b"GGUF"
@@ -40,6 +44,7 @@ class GGUFInfo:
     file_type: str
     layer_bytes: tuple[int, ...] = field(repr=False)  # weight bytes of each repeating block
     other_bytes: int = 0  # embeddings, output head, norms outside the blocks
+    data_offset: int = 0  # where tensor data starts: everything before it is structure
 
 
 def _fail(path: Path, what: str) -> InvalidModelFile:
@@ -148,16 +153,63 @@ def _parse(path: Path, size: int) -> GGUFInfo:
         file_type=file_type,
         layer_bytes=tuple(layer_bytes),
         other_bytes=other,
+        data_offset=int(reader.data_offset),
     )
 
 
+def _structure_hash(path: Path, data_offset: int) -> str:
+    """Validity depends only on the bytes before tensor data and on the file size, so a hash of
+    that region identifies a result exactly (tensor values cannot make a file malformed)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(data_offset))
+    return h.hexdigest()
+
+
+def _memo_file(path: Path, size: int) -> Path:
+    key = hashlib.sha256(f"{path}\0{size}".encode()).hexdigest()[:32]
+    return paths.cache_dir() / "inspected" / f"{key}.json"
+
+
+def _recall(path: Path, size: int) -> GGUFInfo | None:
+    try:
+        record = json.loads(_memo_file(path, size).read_text())
+        info = record["info"]
+        if _structure_hash(path, info["data_offset"]) != record["structure_sha256"]:
+            return None
+        info.update(path=Path(info["path"]), layer_bytes=tuple(info["layer_bytes"]))
+        return GGUFInfo(**info)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _remember(info: GGUFInfo) -> None:
+    memo = _memo_file(info.path, info.size)
+    info_json = dataclasses.asdict(info) | {"path": str(info.path), "layer_bytes": list(info.layer_bytes)}
+    record = {"structure_sha256": _structure_hash(info.path, info.data_offset), "info": info_json}
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, memo)
+    except OSError:
+        pass  # a read-only cache only costs the next run a re-parse
+
+
 def inspect(path: str | os.PathLike) -> GGUFInfo:
-    """Parse and validate a GGUF file; raise InvalidModelFile with one clear line if it is bad."""
+    """Parse and validate a GGUF file; raise InvalidModelFile with one clear line if it is bad.
+
+    gguf-py walks every vocab entry (seconds for a 150k vocab), so a good result is remembered
+    and reused while the file's structure bytes are unchanged."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelNotFound(f"{path}: no such file; check the path or run `edgerun list`")
     if not path.is_file():
         raise InvalidModelFile(f"{path}: not a regular file; pass a .gguf file")
-    st = path.stat()
-    return _parse(path.resolve(), st.st_size)
-
+    path = path.resolve()
+    size = path.stat().st_size
+    info = _recall(path, size)
+    if info is None:
+        info = _parse(path, size)
+        _remember(info)
+    return info

@@ -1,0 +1,33 @@
+"""Shared fixtures: the real models from the catalog (setup.sh pulls them into the user's cache)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edgerun.models import catalog, fetch
+
+DRAFT = "qwen2.5-coder-0.5b"
+TARGET = "qwen2.5-coder-1.5b"
+OTHER_VOCAB = "gemma-3-270m"
+
+
+def model_path(name: str) -> Path:
+    """The verified local file of a catalog model, pulled from its sources if missing."""
+    return fetch.pull(catalog.load().get(name))
+
+
+@pytest.fixture(scope="session")
+def small_model() -> Path:
+    return model_path(DRAFT)
+
+
+@pytest.fixture(scope="session")
+def target_model() -> Path:
+    return model_path(TARGET)
+
+
+@pytest.fixture(scope="session")
+def other_vocab_model() -> Path:
+    return model_path(OTHER_VOCAB)

@@ -1,0 +1,126 @@
+"""The `edgerun` command as a user runs it: a subprocess, stdout for text, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EDGERUN = [sys.executable, "-m", "edgerun.cli"]
+
+
+def edgerun(*args, input=None, timeout=300, env=None):
+    return subprocess.run([*EDGERUN, *args], capture_output=True, text=True, input=input,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def _one_line_error(proc, *needles):
+    assert proc.returncode not in (0,) and proc.returncode > 0, proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("edgerun: error:")
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0]
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_run_streams_only_text_to_stdout_and_writes_stats(small_model, tmp_path):
+    stats_path = tmp_path / "stats.json"
+    proc = edgerun("run", "Say hello in one short sentence.", "-m", str(small_model), "-n", "32",
+                   "--temp", "0", "--stats-json", str(stats_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() and "tok/s" not in proc.stdout
+    assert "tok/s" in proc.stderr
+    stats = json.loads(stats_path.read_text())
+    for key in ("prompt_tokens", "generated_tokens", "ttft_s", "decode_tok_s", "prompt_tok_s", "peak_rss_bytes"):
+        assert key in stats
+    assert 10 < stats["prompt_tokens"] < 100
+    assert 1 <= stats["generated_tokens"] <= 32
+    assert 0 < stats["ttft_s"] < 60 and stats["decode_tok_s"] > 1 and stats["prompt_tok_s"] > 1
+    assert stats["peak_rss_bytes"] > small_model.stat().st_size // 4  # the weights were touched
+
+
+@pytest.mark.slow
+def test_run_is_deterministic_by_name_and_raw_skips_template(small_model):
+    args = ["-m", "qwen2.5-coder-0.5b", "-n", "12", "--temp", "0"]
+    a = edgerun("run", "def fib(n):", *args)
+    b = edgerun("run", "def fib(n):", *args)
+    raw = edgerun("run", "def fib(n):", *args, "--raw")
+    assert a.returncode == b.returncode == raw.returncode == 0, a.stderr + raw.stderr
+    assert a.stdout == b.stdout
+    assert raw.stdout != a.stdout
+
+
+@pytest.mark.slow
+def test_run_reads_stdin_and_pipes_into_a_closed_reader(small_model):
+    proc = subprocess.run(
+        f"{sys.executable} -m edgerun.cli run - -m {small_model} -n 64 --temp 0 | head -c 3",
+        shell=True, capture_output=True, text=True, input="Write a poem.", timeout=300,
+    )
+    assert len(proc.stdout) <= 3
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_model_name():
+    line = _one_line_error(edgerun("run", "hi", "-m", "no-such-model"), "no-such-model")
+    assert "qwen2.5-coder-1.5b" in line  # says what is known
+
+
+def test_missing_file(tmp_path):
+    _one_line_error(edgerun("run", "hi", "-m", str(tmp_path / "nope.gguf")), "no such file")
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("this is not a model\n" * 10)
+    _one_line_error(edgerun("run", "hi", "-m", str(bad)), "not a GGUF")
+
+
+@pytest.mark.slow
+def test_context_larger_than_the_model_supports(small_model):
+    line = _one_line_error(edgerun("run", "hi", "-m", str(small_model), "--ctx", "10000000"), "--ctx")
+    assert "32768" in line
+
+
+def test_bad_gpu_layers_value(small_model):
+    _one_line_error(edgerun("run", "hi", "-m", str(small_model), "--gpu-layers", "lots"), "--gpu-layers")
+
+
+@pytest.mark.slow
+def test_list_and_doctor(small_model):
+    listing = edgerun("list")
+    assert listing.returncode == 0
+    row = next(line for line in listing.stdout.splitlines() if line.startswith("qwen2.5-coder-0.5b"))
+    assert "verified" in row and str(small_model) in row
+    doctor = edgerun("doctor", "-m", "qwen2.5-coder-0.5b")
+    assert doctor.returncode == 0, doctor.stderr
+    assert "backend: CPU only" in doctor.stdout or "backend: CUDA" in doctor.stdout
+    assert "AVX2" in doctor.stdout or "NEON" in doctor.stdout
+    assert "offload plan for qwen2.5-coder-0.5b" in doctor.stdout
+
+
+@pytest.mark.slow
+def test_pull_of_a_present_model_prints_only_its_path(small_model):
+    proc = edgerun("pull", "qwen2.5-coder-0.5b")
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == str(small_model)
+
+
+def test_pull_and_rm_of_unknown_names():
+    _one_line_error(edgerun("rm", "no-such-model"), "no-such-model")
+    _one_line_error(edgerun("pull", "no-such-model"), "no-such-model")
+
+
+@pytest.mark.slow
+def test_chat_plain_keeps_history_and_exits_on_eof(small_model):
+    proc = edgerun("chat", "--plain", str(small_model), "--temp", "0", "-n", "24",
+                   input="My name is Ada. Reply with OK.\nWhat is my name? Answer with one word.\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "Ada" in proc.stdout.split("\n", 1)[1]
+    assert sum(line.startswith("[") for line in proc.stderr.splitlines()) == 2  # one stats line per reply
