@@ -49,10 +49,11 @@ fi
 
 # edgerun itself (editable), re-installed only when pyproject.toml or native/ changed.
 estamp="$venv/.edgerun.stamp"
-ehash=$(cat pyproject.toml $(find native -type f 2>/dev/null | sort) 2>/dev/null | sha256sum | cut -d' ' -f1)
+ehash=$(cat pyproject.toml models.toml $(find native -type f 2>/dev/null | sort) 2>/dev/null | sha256sum | cut -d' ' -f1)
 if [ ! -f "$estamp" ] || [ "$(cat "$estamp")" != "$ehash" ]; then
   log "installing edgerun"
-  "$py" -m pip install -q -e ".[dev]" >&2
+  "$py" -m pip install -q scikit-build-core pybind11 >&2
+  "$py" -m pip install -q --no-build-isolation -e ".[dev]" >&2
   echo "$ehash" > "$estamp"
 fi
 

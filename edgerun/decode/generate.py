@@ -1,14 +1,17 @@
-"""The one decode loop. Every consumer (CLI, TUI, bench, tests) reads the same stream of Steps."""
+"""The one decode loop. Every consumer (CLI, TUI, bench, tests) reads the same stream:
+a Prefill record, then Steps (one per token) with a Round record after each round's tokens."""
 
 from __future__ import annotations
 
 import codecs
+import random
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from edgerun.decode.sampling import Sampler
+from edgerun import _native
+from edgerun.decode.speculative import Round, SpecConfig, Speculator
 from edgerun.runtime.engine import Context
 from edgerun.settings import SamplerSettings
 
@@ -19,7 +22,7 @@ class Step:
 
     text: str  # decoded text this token completes (may be "" mid UTF-8 character)
     token: int
-    from_draft: bool
+    from_draft: bool  # an accepted draft proposal (vs the target's own pick)
     t: float  # seconds since generation started
     finish: str | None = None  # "stop" (end of generation), "length", "cancelled" on the last step
 
@@ -33,6 +36,40 @@ class Prefill:
     seconds: float
 
 
+def native_params(s: SamplerSettings) -> _native.SamplerParams:
+    p = _native.SamplerParams()
+    p.temperature, p.top_k, p.top_p, p.min_p = s.temperature, s.top_k, s.top_p, s.min_p
+    p.repeat_penalty, p.repeat_last_n = s.repeat_penalty, s.repeat_last_n
+    return p
+
+
+class _Emitter:
+    """Turns tokens into Steps: UTF-8 reassembly, EOG, token budget and cancellation."""
+
+    def __init__(self, ctx: Context, max_tokens: int, cancel: threading.Event | None, start: float):
+        self.model, self.max_tokens, self.cancel, self.start = ctx.model, max_tokens, cancel, start
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.count = 0
+        self.done = False
+
+    def step(self, token: int, from_draft: bool) -> Step:
+        now = time.perf_counter() - self.start
+        if self.model.is_eog(token):
+            self.done = True
+            return Step(self.decoder.decode(b"", final=True), token, from_draft, now, "stop")
+        self.count += 1
+        text = self.decoder.decode(self.model.piece(token))
+        finish = None
+        if self.count >= self.max_tokens:
+            finish = "length"
+        elif self.cancel is not None and self.cancel.is_set():
+            finish = "cancelled"
+        if finish:
+            self.done = True
+            text += self.decoder.decode(b"", final=True)
+        return Step(text, token, from_draft, now, finish)
+
+
 def generate(
     ctx: Context,
     prompt: list[int],
@@ -40,25 +77,32 @@ def generate(
     *,
     max_tokens: int,
     cancel: threading.Event | None = None,
-) -> Iterator[Prefill | Step]:
-    """Evaluate the prompt, then sample up to max_tokens tokens, yielding as each one is ready."""
-    model = ctx.model
+    spec: SpecConfig | None = None,
+) -> Iterator[Prefill | Step | Round]:
+    """Evaluate the prompt, then decode up to max_tokens tokens, yielding each as it is ready."""
     start = time.perf_counter()
     evaluated = ctx.prefill(prompt)
     yield Prefill(len(prompt), evaluated, time.perf_counter() - start)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    with Sampler(sampling) as sampler:
-        for n in range(1, max_tokens + 1):
-            token = sampler.sample(ctx.ptr)
-            now = time.perf_counter() - start
-            if model.is_eog(token):
-                yield Step(decoder.decode(b"", final=True), token, False, now, "stop")
-                return
-            text = decoder.decode(model.piece(token))
-            if n == max_tokens or (cancel is not None and cancel.is_set()):
-                finish = "length" if n == max_tokens else "cancelled"
-                yield Step(text + decoder.decode(b"", final=True), token, False, now, finish)
-                ctx.eval([token])  # keep the cache equal to the transcript for the next turn
-                return
-            yield Step(text, token, False, now)
-            ctx.eval([token])
+    params = native_params(sampling)
+    rng = _native.Rng(sampling.seed if sampling.seed is not None else random.getrandbits(64))
+    history = list(prompt[-max(sampling.repeat_last_n, 0):]) if sampling.repeat_penalty != 1.0 else []
+    emit = _Emitter(ctx, max_tokens, cancel, start)
+    last = _native.sample_context(ctx.address, -1, history, params, rng)
+    yield emit.step(last, False)
+    speculator = Speculator(spec or SpecConfig(), ctx, prompt)
+    while not emit.done:
+        if history:
+            history = (history + [last])[-sampling.repeat_last_n:]
+        result = _native.round(**speculator.round_args(last), history=history, params=params,
+                               rule=speculator.cfg.rule, rng=rng)
+        accepted = result["drafts"][: result["accepted"]]
+        for token in accepted:
+            yield emit.step(token, True)
+            if emit.done:
+                break
+        if not emit.done:
+            yield emit.step(result["next"], False)
+        yield speculator.after(last, result)
+        if history:
+            history = (history + accepted)[-sampling.repeat_last_n:]
+        last = result["next"]

@@ -1,11 +1,13 @@
-"""Statistics of one reply, folded from the step stream."""
+"""Statistics of one reply, folded from the record stream."""
 
 from __future__ import annotations
 
 import resource
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from edgerun.decode.generate import Prefill, Step
+from edgerun.decode.speculative import Round
 
 
 def peak_rss_bytes() -> int:
@@ -21,21 +23,39 @@ class ReplyStats:
     ttft_s: float = 0.0
     last_t: float = 0.0
     finish: str | None = None
+    # speculation
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    spec_k: int = 0
+    governor: str = ""
+    accepted_hist: Counter = field(default_factory=Counter)  # accepted length -> rounds (drafting rounds)
 
-    def add(self, record: Prefill | Step) -> None:
+    def add(self, record: Prefill | Step | Round) -> None:
         if isinstance(record, Prefill):
             self.prompt_tokens = record.prompt_tokens
             self.prompt_evaluated = record.evaluated
             self.prefill_s = record.seconds
-            return
-        if record.finish == "stop":  # the end-of-generation token is not shown or counted
+        elif isinstance(record, Round):
+            self.rounds += 1
+            self.drafted += record.drafted
+            self.accepted += record.accepted
+            self.draft_s += record.draft_s
+            self.verify_s += record.verify_s
+            self.spec_k = record.k
+            self.governor = record.decided
+            if record.drafted:
+                self.accepted_hist[record.accepted] += 1
+        elif record.finish == "stop":  # the end-of-generation token is not shown or counted
             self.finish = "stop"
-            return
-        self.generated_tokens += 1
-        if self.generated_tokens == 1:
-            self.ttft_s = record.t
-        self.last_t = record.t
-        self.finish = record.finish
+        else:
+            self.generated_tokens += 1
+            if self.generated_tokens == 1:
+                self.ttft_s = record.t
+            self.last_t = record.t
+            self.finish = record.finish
 
     @property
     def decode_tok_s(self) -> float:
@@ -52,20 +72,47 @@ class ReplyStats:
     def prompt_tok_s(self) -> float:
         return self.prompt_evaluated / self.prefill_s if self.prefill_s > 0 else 0.0
 
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        rounds = sum(self.accepted_hist.values())
+        return self.accepted / rounds if rounds else 0.0
+
     def as_json(self) -> dict:
-        out = asdict(self)
-        del out["last_t"]
-        out.update(
-            decode_tok_s=round(self.decode_tok_s, 3),
-            prompt_tok_s=round(self.prompt_tok_s, 3),
-            tpot_s=round(self.tpot_s, 6),
-            peak_rss_bytes=peak_rss_bytes(),
-        )
-        return out
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_evaluated": self.prompt_evaluated,
+            "generated_tokens": self.generated_tokens,
+            "finish": self.finish,
+            "ttft_s": round(self.ttft_s, 6),
+            "tpot_s": round(self.tpot_s, 6),
+            "decode_tok_s": round(self.decode_tok_s, 3),
+            "prompt_tok_s": round(self.prompt_tok_s, 3),
+            "peak_rss_bytes": peak_rss_bytes(),
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_len": round(self.mean_accepted_len, 4),
+            "accepted_len_histogram": {str(k): v for k, v in sorted(self.accepted_hist.items())},
+            "draft_s": round(self.draft_s, 6),
+            "verify_s": round(self.verify_s, 6),
+            "spec_k": self.spec_k,
+            "governor": self.governor,
+        }
 
     def line(self) -> str:
-        return (
+        text = (
             f"{self.generated_tokens} tokens, {self.decode_tok_s:.1f} tok/s, TTFT {self.ttft_s * 1000:.0f} ms,"
             f" prompt {self.prompt_tokens} tok at {self.prompt_tok_s:.0f} tok/s,"
             f" peak RSS {peak_rss_bytes() / 2**20:.0f} MiB"
         )
+        if self.drafted:
+            text += (f"; draft {self.accepted}/{self.drafted} accepted ({self.acceptance_rate:.0%}),"
+                     f" mean run {self.mean_accepted_len:.2f}, k={self.spec_k}")
+        if self.governor and self.governor != "no drafter":
+            text += f"; governor: {self.governor}"
+        return text

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -24,6 +25,17 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 KNOWN_ARCHS = frozenset(MODEL_ARCH_NAMES.values())
 _MAX_DIMS = 4
+_MAX_NAME = 63  # llama.cpp keeps tensor names in 64-byte buffers (GGML_MAX_NAME)
+# Caps far above any real model, so a hostile count is refused before gguf-py loops over it:
+# gguf-py spends ~20 us and ~1 KB per metadata array item, so 4M items (the largest vocabularies
+# carry ~1M across tokens, scores, types and merges) already cost a minute and a few GB.
+_MAX_TENSORS = 1 << 16
+_MAX_KEYS = 1 << 16
+_MAX_ARRAY_ITEMS = 1 << 22
+_INT_TYPES = frozenset({
+    GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+    GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64,
+})
 
 
 @dataclass(frozen=True)
@@ -47,8 +59,69 @@ class GGUFInfo:
     data_offset: int = 0  # where tensor data starts: everything before it is structure
 
 
+def _one_line(text: str) -> str:
+    """Names and strings in a message come from the file: escape anything that would break the
+    one-line error (newlines, \\x85, U+2028, other control characters)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def _quote(text: str, limit: int = 64) -> str:
+    """A file-supplied name, short enough for a message (an architecture can be 1 MB long)."""
+    return repr(text[:limit] + ("..." if len(text) > limit else ""))
+
+
 def _fail(path: Path, what: str) -> InvalidModelFile:
-    return InvalidModelFile(f"{path}: {what}; re-download it (edgerun pull) or pick another file")
+    return InvalidModelFile(_one_line(f"{path}: {what}; re-download it (edgerun pull) or pick another file"))
+
+
+class _PastEnd(ValueError):
+    """A read that would run past the end of the file."""
+
+
+class _BoundedReader(GGUFReader):
+    """gguf-py's reader, stopped at the first read past the end of the file.
+
+    gguf-py reads through numpy slices of a memmap, which silently come back short at the end of
+    the file: a truncated file then parses on into garbage, and an array that claims 2**64 items
+    loops on empty reads forever, growing a list each time. Here a short read is an error, and an
+    array may claim no more items than the bytes left could hold, nor more than _MAX_ARRAY_ITEMS
+    in all. Hooks gguf-py's private _get/_get_field_parts, so gguf stays pinned in pyproject."""
+
+    def __init__(self, path: Path):
+        self._array_items = 0
+        super().__init__(path, "r")
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise _PastEnd(f"needs bytes up to {end}, the file has {len(self.data)}")
+        return super()._get(offset, dtype, count, override_order)
+
+    def _get_field_parts(self, orig_offs, raw_type):
+        if raw_type == GGUFValueType.ARRAY:
+            item_type = int(self._get(orig_offs, np.uint32)[0])
+            count = int(self._get(orig_offs + 4, np.uint64)[0])
+            left = len(self.data) - (orig_offs + 12)
+            self._array_items += count
+            if count * _min_item_bytes(item_type) > left:
+                raise ValueError(f"metadata array at byte {orig_offs} claims {count} items; {left} bytes are left")
+            if self._array_items > _MAX_ARRAY_ITEMS:
+                raise ValueError(f"metadata arrays claim over {_MAX_ARRAY_ITEMS} items, more than any real model")
+        return super()._get_field_parts(orig_offs, raw_type)
+
+
+def _min_item_bytes(item_type: int) -> int:
+    """The fewest bytes one array item of this type takes (a string: its length; an array: its
+    type and count)."""
+    try:
+        vtype = GGUFValueType(item_type)
+    except ValueError:
+        raise ValueError(f"unknown metadata array item type {item_type}") from None
+    if vtype == GGUFValueType.STRING:
+        return 8
+    if vtype == GGUFValueType.ARRAY:
+        return 12
+    return np.dtype(GGUFReader.gguf_scalar_to_np[vtype]).itemsize
 
 
 def _header_check(path: Path, size: int) -> None:
@@ -65,6 +138,8 @@ def _header_check(path: Path, size: int) -> None:
     # each tensor-info entry takes at least 24 bytes and each key/value at least 12
     if n_tensors * 24 + n_kv * 12 > size:
         raise _fail(path, f"corrupt header: {n_tensors} tensors and {n_kv} keys cannot fit in {size} bytes")
+    if n_tensors > _MAX_TENSORS or n_kv > _MAX_KEYS:
+        raise _fail(path, f"corrupt header: {n_tensors} tensors and {n_kv} keys, more than any real model")
 
 
 def _scalar(reader: GGUFReader, key: str, default=None):
@@ -78,30 +153,64 @@ def _scalar(reader: GGUFReader, key: str, default=None):
     return f.parts[f.data[0]][0].item()
 
 
+def _count(path: Path, reader: GGUFReader, key: str, default: int) -> int:
+    """A size the runtime plans with (layers, context, heads): a string, float or negative
+    value would otherwise surface later as a crash or a baffling placement error."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    if len(f.types) != 1 or f.types[0] not in _INT_TYPES:
+        raise _fail(path, f"{key} is not an integer ({'/'.join(t.name for t in f.types)})")
+    value = int(f.parts[f.data[0]][0])
+    if value < 0:
+        raise _fail(path, f"{key} is negative ({value})")
+    return value
+
+
+def _text(path: Path, reader: GGUFReader, key: str) -> str | None:
+    """A string field, or None when absent; any other type is a malformed file."""
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    if f.types != [GGUFValueType.STRING]:
+        raise _fail(path, f"{key} is not a string ({'/'.join(t.name for t in f.types)})")
+    return _scalar(reader, key)
+
+
 def _array_len(reader: GGUFReader, key: str) -> int:
     f = reader.fields.get(key)
     return len(f.data) if f is not None else 0
 
 
 def _tensor_bytes(tensor) -> int:
+    """Bytes of one tensor, counted in Python ints: numpy's uint64 product wraps silently, and a
+    wrapped count (2**32 x 2**32 = 0) would make a huge tensor look tiny."""
     block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-    n = int(np.prod(tensor.shape, dtype=np.uint64))
-    if int(tensor.shape[0]) % block:
-        raise ValueError(f"tensor {tensor.name}: row of {tensor.shape[0]} is not a multiple of block {block}")
-    return n // block * type_size
+    dims = [int(d) for d in tensor.shape]
+    if (dims[0] if dims else 1) % block:  # a tensor of no dimensions is one element
+        raise ValueError(f"tensor {_quote(tensor.name)}: row of {dims[0] if dims else 1} is not a multiple of block {block}")
+    return math.prod(dims) // block * type_size
 
 
 def _check_tensors(path: Path, reader: GGUFReader, size: int) -> tuple[list[int], int]:
     n_layers = 0
     per_layer: dict[int, int] = {}
     other = 0
+    expected = 0  # llama.cpp wants each tensor's data right after the previous one's, padded
+    align = int(reader.alignment)
     for t in reader.tensors:
+        name = _quote(t.name)
+        if len(t.name.encode()) > _MAX_NAME:
+            raise _fail(path, f"tensor name {name} is longer than llama.cpp's {_MAX_NAME} bytes")
         if len(t.shape) > _MAX_DIMS or any(int(d) <= 0 for d in t.shape):
-            raise _fail(path, f"tensor {t.name} has bad shape {list(map(int, t.shape))}")
+            raise _fail(path, f"tensor {name} has bad shape {list(map(int, t.shape))}")
         nbytes = _tensor_bytes(t)
         start = int(t.data_offset)
         if start < 0 or start + nbytes > size:
-            raise _fail(path, f"tensor {t.name} lies past the end of the file (truncated download?)")
+            raise _fail(path, f"tensor {name} lies past the end of the file (truncated download?)")
+        if start - reader.data_offset != expected:
+            raise _fail(path, f"tensor {name} is at data offset {start - reader.data_offset}, expected {expected}")
+        expected += -(-nbytes // align) * align
         parts = t.name.split(".")
         if parts[0] == "blk" and len(parts) > 1 and parts[1].isdigit():
             layer = int(parts[1])
@@ -115,22 +224,25 @@ def _check_tensors(path: Path, reader: GGUFReader, size: int) -> tuple[list[int]
 def _parse(path: Path, size: int) -> GGUFInfo:
     _header_check(path, size)
     try:
-        reader = GGUFReader(path, "r")
+        reader = _BoundedReader(path)
+    except _PastEnd as exc:
+        raise _fail(path, f"data runs past the end of the file ({exc}; truncated download?)") from None
     except Exception as exc:  # gguf-py raises many kinds on malformed input; all mean "corrupt"
         raise _fail(path, f"corrupt GGUF ({type(exc).__name__}: {str(exc)[:120]})") from None
-    arch = _scalar(reader, "general.architecture")
+    arch = _text(path, reader, "general.architecture")
     if arch is None:
         raise _fail(path, "no general.architecture key")
     if arch not in KNOWN_ARCHS:
-        raise InvalidModelFile(f"{path}: unknown architecture '{arch}'; edgerun runs what llama.cpp knows")
+        raise InvalidModelFile(_one_line(
+            f"{path}: unknown architecture {_quote(arch)}; edgerun runs what llama.cpp knows"))
     try:
         layer_bytes, other = _check_tensors(path, reader, size)
     except (KeyError, ValueError) as exc:
         raise _fail(path, f"corrupt tensor table ({exc})") from None
-    n_layers = int(_scalar(reader, f"{arch}.block_count", len(layer_bytes)) or 0)
-    n_head = int(_scalar(reader, f"{arch}.attention.head_count", 1) or 1)
-    n_embd = int(_scalar(reader, f"{arch}.embedding_length", 0) or 0)
-    head_dim = int(_scalar(reader, f"{arch}.attention.key_length", n_embd // max(n_head, 1)) or 0)
+    n_layers = _count(path, reader, f"{arch}.block_count", len(layer_bytes))
+    n_head = _count(path, reader, f"{arch}.attention.head_count", 1) or 1
+    n_embd = _count(path, reader, f"{arch}.embedding_length", 0)
+    head_dim = _count(path, reader, f"{arch}.attention.key_length", n_embd // n_head)
     from gguf import LlamaFileType  # local: only needed for the label
 
     ftype = _scalar(reader, "general.file_type")
@@ -142,13 +254,13 @@ def _parse(path: Path, size: int) -> GGUFInfo:
         path=path,
         size=size,
         arch=arch,
-        name=_scalar(reader, "general.name", path.stem) or path.stem,
+        name=_text(path, reader, "general.name") or path.stem,
         n_layers=n_layers,
-        context_length=int(_scalar(reader, f"{arch}.context_length", 0) or 0),
+        context_length=_count(path, reader, f"{arch}.context_length", 0),
         n_embd=n_embd,
-        n_head_kv=int(_scalar(reader, f"{arch}.attention.head_count_kv", n_head) or n_head),
+        n_head_kv=_count(path, reader, f"{arch}.attention.head_count_kv", n_head) or n_head,
         head_dim=head_dim,
-        chat_template=_scalar(reader, "tokenizer.chat_template"),
+        chat_template=_text(path, reader, "tokenizer.chat_template"),
         n_vocab=_array_len(reader, "tokenizer.ggml.tokens"),
         file_type=file_type,
         layer_bytes=tuple(layer_bytes),
@@ -203,9 +315,9 @@ def inspect(path: str | os.PathLike) -> GGUFInfo:
     and reused while the file's structure bytes are unchanged."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise ModelNotFound(f"{path}: no such file; check the path or run `edgerun list`")
+        raise ModelNotFound(_one_line(f"{path}: no such file; check the path or run `edgerun list`"))
     if not path.is_file():
-        raise InvalidModelFile(f"{path}: not a regular file; pass a .gguf file")
+        raise InvalidModelFile(_one_line(f"{path}: not a regular file; pass a .gguf file"))
     path = path.resolve()
     size = path.stat().st_size
     info = _recall(path, size)

@@ -155,6 +155,11 @@ class Context:
         self.close()
 
     @property
+    def address(self) -> int:
+        """The raw llama_context* for the native extension (which never frees it)."""
+        return ctypes.cast(self.ptr, ctypes.c_void_p).value
+
+    @property
     def n_past(self) -> int:
         return len(self.tokens)
 

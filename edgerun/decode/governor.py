@@ -1,0 +1,108 @@
+"""The draft-length controller: each round, choose k (0 = plain decoding) to maximize expected
+tokens per second, from measured acceptance and measured costs. Pure functions plus a small,
+explicit state record; no model needed to test it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+K_MAX = 8
+EMA = 0.15           # weight of the newest measurement
+PRIOR_ALPHA = 0.6    # acceptance assumed before any draft was verified
+PROBE_FIRST = 8      # plain rounds before re-checking a draft that lost
+PROBE_MAX = 256      # ... growing up to this while it keeps losing
+
+
+@dataclass(frozen=True)
+class GovernorState:
+    alpha: float = PRIOR_ALPHA      # per-token acceptance probability (geometric model)
+    draft_step_s: float | None = None  # one draft token
+    verify_s: tuple[tuple[int, float], ...] = ()  # (batch size, seconds) EMAs, sorted
+    plain_rounds: int = 0           # consecutive k = 0 rounds
+    probe_every: int = PROBE_FIRST
+    k_max: int = K_MAX
+    decided: str = "starting: measuring plain decoding"
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Mean tokens a round yields with k drafts: 1 + alpha + ... + alpha^k."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def verify_time(state: GovernorState, n: int) -> float | None:
+    """Seconds for the target to decode n tokens in one batch: measured, else a line through
+    the measurements, else None."""
+    table = dict(state.verify_s)
+    if n in table:
+        return table[n]
+    if not table:
+        return None
+    pts = sorted(table.items())
+    if len(pts) == 1:
+        (n1, t1), = pts
+        return t1 * (1 + 0.25 * (n - n1))  # assume batching is cheap until measured
+    (na, ta), (nb, tb) = pts[0], pts[-1]
+    slope = max(0.0, (tb - ta) / (nb - na))
+    return ta + slope * (n - na)
+
+
+def rate(state: GovernorState, k: int) -> float | None:
+    """Expected tokens per second with k drafts (None while a cost is unknown)."""
+    tv = verify_time(state, k + 1)
+    if tv is None or (k > 0 and state.draft_step_s is None):
+        return None
+    cost = tv + k * (state.draft_step_s or 0.0)
+    return expected_tokens(state.alpha, k) / cost if cost > 0 else None
+
+
+def choose(state: GovernorState, available: int | None = None) -> tuple[int, str]:
+    """k for the next round and why. `available` caps k (an n-gram drafter's proposal length)."""
+    k_cap = state.k_max if available is None else min(state.k_max, available)
+    if k_cap == 0:
+        return 0, "no draft available: plain step"
+    plain = rate(state, 0)
+    if plain is None:
+        return 0, "measuring plain decoding"
+    if state.draft_step_s is None or len(state.verify_s) < 2:
+        return min(2, k_cap), "measuring the draft"
+    best_k, best = 0, plain
+    for k in range(1, k_cap + 1):
+        r = rate(state, k)
+        if r is not None and r > best:
+            best_k, best = k, r
+    if best_k == 0 and state.plain_rounds >= state.probe_every:
+        return 1, f"re-checking the draft (plain wins: {plain:.1f} tok/s)"
+    if best_k == 0:
+        return 0, f"draft off: plain {plain:.1f} tok/s beats any k (acceptance {state.alpha:.0%})"
+    return best_k, f"k={best_k}: {best:.1f} vs plain {plain:.1f} tok/s expected (acceptance {state.alpha:.0%})"
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EMA) * old + EMA * new
+
+
+def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
+           decided: str) -> GovernorState:
+    """Fold one round's measurements into the state."""
+    table = dict(state.verify_s)
+    n = drafted + 1
+    table[n] = _ema(table.get(n), verify_s)
+    alpha = state.alpha
+    draft_step = state.draft_step_s
+    if drafted > 0:
+        # geometric model: accepted successes, then one failure unless every draft was accepted
+        failures = 0 if accepted == drafted else 1
+        alpha = _ema(alpha, accepted / (accepted + failures)) if accepted + failures else alpha
+        draft_step = _ema(draft_step, draft_s / drafted)
+    if k == 0:
+        plain_rounds, probe_every = state.plain_rounds + 1, state.probe_every
+    else:
+        plain_rounds = 0
+        # a probe that found the draft still losing waits twice as long for the next one
+        losing = state.plain_rounds >= state.probe_every
+        probe_every = min(PROBE_MAX, state.probe_every * 2) if losing else state.probe_every
+    return replace(state, alpha=alpha, draft_step_s=draft_step, verify_s=tuple(sorted(table.items())),
+                   plain_rounds=plain_rounds, probe_every=probe_every, decided=decided)
+

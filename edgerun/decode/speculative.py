@@ -1,0 +1,107 @@
+"""Speculation around the native round: which drafter proposes, how many tokens (the governor),
+and keeping both KV caches' bookkeeping equal to what llama.cpp holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edgerun.decode import governor
+from edgerun.decode.ngram import NgramDrafter
+from edgerun.runtime.engine import Context
+
+DEFAULT_P_MIN = 0.0  # draft's early stop; governor-chosen k already bounds waste
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    draft: Context | None = None  # a same-vocab draft model's context
+    ngram: bool = False           # prompt-lookup drafter (tried first: it costs nothing)
+    k: int | None = None          # fixed draft length; None lets the governor choose
+    p_min: float = DEFAULT_P_MIN
+    rule: str = "rejection"       # or "match": llama.cpp server's sample-and-compare
+
+
+@dataclass(frozen=True)
+class Round:
+    """One speculation round's numbers, yielded after its tokens."""
+
+    drafter: str  # "model", "ngram" or "none"
+    k: int
+    drafted: int
+    accepted: int
+    draft_s: float
+    verify_s: float
+    decided: str
+
+
+class Speculator:
+    """Per-reply state: drafters, one governor state per drafter, and round arguments."""
+
+    def __init__(self, cfg: SpecConfig, target: Context, prompt: list[int]):
+        self.cfg, self.target = cfg, target
+        self.ngram = NgramDrafter() if cfg.ngram else None
+        if self.ngram:
+            self.ngram.reset(prompt)
+        self.gov = {"model": governor.GovernorState(), "ngram": governor.GovernorState(k_max=governor.K_MAX)}
+        self._pending: tuple[str, int, str] = ("none", 0, "")
+
+    def _choose(self, name: str, available: int | None) -> tuple[int, str]:
+        if self.cfg.k is not None:
+            k = self.cfg.k if available is None else min(self.cfg.k, available)
+            return k, f"fixed k={self.cfg.k}"
+        return governor.choose(self.gov[name], available)
+
+    def _prepare_draft(self, last: int) -> tuple[list[int], int]:
+        """Bring the draft's KV to the committed sequence; return (feed, its start position)."""
+        draft = self.cfg.draft
+        committed = self.target.tokens + [last]
+        keep = 0
+        for a, b in zip(draft.tokens, committed):
+            if a != b:
+                break
+            keep += 1
+        draft.trim(min(keep, len(committed) - 1))
+        rest = committed[draft.n_past :]
+        if len(rest) > 1:
+            draft.eval(rest[:-1])  # a long catch-up (the prompt) goes in n_batch chunks
+        return [last], draft.n_past
+
+    def round_args(self, last: int) -> dict:
+        """Arguments for _native.round (minus history, params, rule, rng)."""
+        args = dict(target=self.target.address, draft=0, draft_feed=[], draft_n_past=0, last=last,
+                    target_n_past=self.target.n_past, k=0, p_min=self.cfg.p_min, proposals=[])
+        if self.ngram:
+            self.ngram.extend([last])
+            proposals = self.ngram.propose(self.cfg.k or governor.K_MAX)
+            if proposals:
+                k, why = self._choose("ngram", len(proposals))
+                self._pending = ("ngram", k, why)
+                return args | dict(k=k, proposals=proposals[:k])
+        if self.cfg.draft is not None:
+            k, why = self._choose("model", None)
+            self._pending = ("model", k, why)
+            if k > 0:
+                feed, n_past = self._prepare_draft(last)
+                return args | dict(k=k, draft=self.cfg.draft.address, draft_feed=feed, draft_n_past=n_past)
+            return args
+        self._pending = ("none", 0, "no drafter")
+        return args
+
+    def after(self, last: int, result: dict) -> Round:
+        """Record what the round left in each KV cache and teach the governor."""
+        drafts, accepted = result["drafts"], result["accepted"]
+        committed_before = self.target.tokens + [last]
+        self.target.tokens = committed_before + drafts[:accepted]
+        drafter, k, why = self._pending
+        if drafter == "model" and k > 0:
+            self.cfg.draft.tokens = committed_before + drafts[: result["draft_evaluated"]]
+        if self.ngram:
+            self.ngram.extend(drafts[:accepted])
+        # a round without drafts is a plain step: every governor learns the plain cost from it
+        for name in ([drafter] if drafts else self.gov):
+            if name in self.gov:
+                self.gov[name] = governor.update(
+                    self.gov[name], k=k if drafts else 0, drafted=len(drafts), accepted=accepted,
+                    draft_s=result["draft_s"], verify_s=result["verify_s"], decided=why,
+                )
+        return Round(drafter, k, len(drafts), accepted, result["draft_s"], result["verify_s"], why)

@@ -1,0 +1,144 @@
+#include "round.hpp"
+
+#include <algorithm>
+#include <chrono>
+
+namespace edgerun {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// RAII owner of a llama_batch for one sequence.
+struct Batch {
+    llama_batch b;
+    explicit Batch(int n) : b(llama_batch_init(std::max(n, 1), 0, 1)) {}
+    ~Batch() { llama_batch_free(b); }
+    Batch(const Batch&) = delete;
+    Batch& operator=(const Batch&) = delete;
+
+    void set(const std::vector<llama_token>& tokens, int pos0, bool all_logits) {
+        b.n_tokens = static_cast<int32_t>(tokens.size());
+        for (size_t i = 0; i < tokens.size(); ++i) {
+            b.token[i] = tokens[i];
+            b.pos[i] = pos0 + static_cast<int>(i);
+            b.n_seq_id[i] = 1;
+            b.seq_id[i][0] = 0;
+            b.logits[i] = all_logits || i + 1 == tokens.size();
+        }
+    }
+};
+
+int n_vocab_of(llama_context* ctx) {
+    return llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+}
+
+// The draft's choice from its logits; sets `confident` false when its top probability < p_min.
+llama_token draft_choice(const float* logits, int n_vocab, const std::vector<int32_t>& history,
+                         const RoundInput& in, Rng& rng, std::vector<float>& dist, bool& confident) {
+    if (in.params.greedy()) {
+        std::vector<float> row(logits, logits + n_vocab);
+        apply_penalty(row.data(), n_vocab, history, in.params);
+        const llama_token x = argmax(row.data(), n_vocab);
+        confident = true;
+        if (in.p_min > 0) {  // confidence needs probabilities even when decoding greedily
+            SamplerParams t1 = in.params;
+            t1.temperature = 1.0f;
+            t1.top_k = 0;
+            t1.top_p = 1.0f;
+            t1.min_p = 0.0f;
+            distribution(logits, n_vocab, history, t1, dist);
+            confident = dist[x] >= in.p_min;
+        }
+        return x;
+    }
+    distribution(logits, n_vocab, history, in.params, dist);
+    confident = *std::max_element(dist.begin(), dist.end()) >= in.p_min;
+    return sample_dense(dist, rng.uniform());
+}
+
+// Draft up to k tokens on the draft context. q gets the distribution of each (T > 0).
+bool draft_tokens(const RoundInput& in, Rng& rng, RoundResult& res, std::vector<std::vector<float>>& q) {
+    const int n_vocab = n_vocab_of(in.draft);
+    Batch batch(static_cast<int>(in.draft_feed.size()));
+    batch.set(in.draft_feed, in.draft_n_past, false);
+    if (llama_decode(in.draft, batch.b) != 0) { res.error = "draft llama_decode failed"; return false; }
+    int pos = in.draft_n_past + static_cast<int>(in.draft_feed.size());
+    std::vector<int32_t> history = in.history;
+    std::vector<float> dist;
+    while (static_cast<int>(res.drafts.size()) < in.k) {
+        const float* logits = llama_get_logits_ith(in.draft, -1);
+        if (!logits) { res.error = "draft produced no logits"; return false; }
+        bool confident = true;
+        const llama_token x = draft_choice(logits, n_vocab, history, in, rng, dist, confident);
+        if (!confident) break;  // an unsure draft is likely rejected: verify what we have
+        res.drafts.push_back(x);
+        if (!in.params.greedy()) q.push_back(dist);
+        history.push_back(x);
+        if (static_cast<int>(res.drafts.size()) == in.k) break;
+        // evaluate x only when another token will be drafted after it
+        batch.set({x}, pos++, false);
+        if (llama_decode(in.draft, batch.b) != 0) { res.error = "draft llama_decode failed"; return false; }
+        ++res.draft_evaluated;
+    }
+    return true;
+}
+
+}  // namespace
+
+RoundResult run_round(const RoundInput& in, Rng& rng) {
+    RoundResult res;
+    std::vector<std::vector<float>> q;
+    const auto t0 = Clock::now();
+    if (in.k > 0 && in.draft) {
+        if (!draft_tokens(in, rng, res, q)) return res;
+    } else if (in.k > 0) {
+        res.drafts.assign(in.proposals.begin(),
+                          in.proposals.begin() + std::min<size_t>(in.k, in.proposals.size()));
+    }
+    res.draft_s = since(t0);
+
+    // verify: the target decodes `last` and every draft in one batch, logits at each position
+    const auto t1 = Clock::now();
+    std::vector<llama_token> tokens{in.last};
+    tokens.insert(tokens.end(), res.drafts.begin(), res.drafts.end());
+    Batch batch(static_cast<int>(tokens.size()));
+    batch.set(tokens, in.target_n_past, true);
+    if (llama_decode(in.target, batch.b) != 0) { res.error = "target llama_decode failed"; return res; }
+    const int n_vocab = n_vocab_of(in.target);
+    std::vector<const float*> rows(tokens.size());
+    for (size_t i = 0; i < tokens.size(); ++i) {
+        rows[i] = llama_get_logits_ith(in.target, static_cast<int32_t>(i));
+        if (!rows[i]) { res.error = "target produced no logits"; return res; }
+    }
+    const bool point_mass = !in.draft;  // n-gram proposals: q(x) = 1
+    const Verdict v = verify(rows, n_vocab, res.drafts, point_mass ? std::vector<std::vector<float>>{} : q,
+                             in.history, in.params, in.rule, rng);
+    res.accepted = v.accepted;
+    res.next = v.next;
+    // keep `last` and the accepted drafts in the target's KV; the rejected tail goes
+    if (!llama_memory_seq_rm(llama_get_memory(in.target), 0, in.target_n_past + 1 + v.accepted, -1)) {
+        res.error = "could not trim the target's KV cache";
+    }
+    res.verify_s = since(t1);
+    return res;
+}
+
+llama_token sample_context(llama_context* ctx, int idx, const std::vector<int32_t>& history,
+                           const SamplerParams& p, Rng& rng) {
+    const float* logits = llama_get_logits_ith(ctx, idx);
+    if (!logits) return -1;
+    const int n_vocab = n_vocab_of(ctx);
+    if (p.greedy()) {
+        std::vector<float> row(logits, logits + n_vocab);
+        apply_penalty(row.data(), n_vocab, history, p);
+        return argmax(row.data(), n_vocab);
+    }
+    std::vector<float> dist;
+    distribution(logits, n_vocab, history, p, dist);
+    return sample_dense(dist, rng.uniform());
+}
+
+}  // namespace edgerun

@@ -1,0 +1,43 @@
+// One speculative round on llama.cpp contexts, with no Python between draft steps.
+#pragma once
+
+#include <llama.h>
+
+#include <string>
+#include <vector>
+
+#include "sampling.hpp"
+
+namespace edgerun {
+
+struct RoundInput {
+    llama_context* target = nullptr;
+    llama_context* draft = nullptr;      // null: use `proposals` (n-gram drafter) or plain step
+    std::vector<llama_token> draft_feed; // tokens the draft's KV lacks, ending with `last`
+    int draft_n_past = 0;                // where draft_feed starts
+    llama_token last = 0;                // the newest token, not yet in the target's KV
+    int target_n_past = 0;               // where `last` goes
+    int k = 0;                           // most tokens to draft (0: a plain decoding step)
+    float p_min = 0.0f;                  // stop drafting when the draft's top probability is below
+    std::vector<llama_token> proposals;  // drafts given from outside (used when draft is null)
+    std::vector<int32_t> history;        // recent committed tokens, for the repetition penalty
+    SamplerParams params;
+    AcceptRule rule = AcceptRule::Rejection;
+};
+
+struct RoundResult {
+    std::vector<llama_token> drafts;  // what was proposed
+    int accepted = 0;
+    llama_token next = -1;
+    int draft_evaluated = 0;  // leading drafts now in the draft's KV (after draft_feed)
+    double draft_s = 0, verify_s = 0;
+    std::string error;        // non-empty: llama.cpp failed; contexts are as before the verify
+};
+
+RoundResult run_round(const RoundInput& in, Rng& rng);
+
+// Sample from output `idx` of the last decode of ctx (the first token after a prompt).
+llama_token sample_context(llama_context* ctx, int idx, const std::vector<int32_t>& history,
+                           const SamplerParams& p, Rng& rng);
+
+}  // namespace edgerun

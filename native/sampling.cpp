@@ -1,0 +1,149 @@
+#include "sampling.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <unordered_set>
+
+namespace edgerun {
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+Rng::Rng(uint64_t seed) {
+    for (auto& word : s_) {  // splitmix64 spreads any seed (even 0) over the whole state
+        seed += 0x9E3779B97F4A7C15ull;
+        uint64_t z = seed;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        word = z ^ (z >> 31);
+    }
+}
+
+uint64_t Rng::next() {
+    const uint64_t result = rotl(s_[1] * 5, 7) * 9;
+    const uint64_t t = s_[1] << 17;
+    s_[2] ^= s_[0];
+    s_[3] ^= s_[1];
+    s_[1] ^= s_[2];
+    s_[0] ^= s_[3];
+    s_[2] ^= t;
+    s_[3] = rotl(s_[3], 45);
+    return result;
+}
+
+double Rng::uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+
+void apply_penalty(float* logits, int n_vocab, const std::vector<int32_t>& history, const SamplerParams& p) {
+    if (p.repeat_penalty == 1.0f || p.repeat_last_n == 0) return;
+    const size_t n = history.size();
+    const size_t start = p.repeat_last_n < 0 ? 0 : n - std::min(n, static_cast<size_t>(p.repeat_last_n));
+    std::unordered_set<int32_t> seen(history.begin() + start, history.end());
+    for (int32_t t : seen) {
+        if (t < 0 || t >= n_vocab) continue;
+        logits[t] = logits[t] > 0 ? logits[t] / p.repeat_penalty : logits[t] * p.repeat_penalty;
+    }
+}
+
+int32_t argmax(const float* x, int n) {
+    return static_cast<int32_t>(std::max_element(x, x + n) - x);  // first of equal maxima
+}
+
+void distribution(const float* logits, int n_vocab, const std::vector<int32_t>& history,
+                  const SamplerParams& p, std::vector<float>& out) {
+    std::vector<float> l(logits, logits + n_vocab);
+    apply_penalty(l.data(), n_vocab, history, p);
+
+    // candidates sorted by logit, descending (ties: lower id first), cut to top_k
+    std::vector<int32_t> idx(n_vocab);
+    std::iota(idx.begin(), idx.end(), 0);
+    auto by_logit = [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); };
+    size_t keep = (p.top_k > 0 && p.top_k < n_vocab) ? static_cast<size_t>(p.top_k) : idx.size();
+    std::partial_sort(idx.begin(), idx.begin() + keep, idx.end(), by_logit);
+    idx.resize(keep);
+
+    // softmax at temperature 1 over the candidates, for top-p and min-p
+    std::vector<double> prob(keep);
+    const double top = l[idx[0]];
+    double sum = 0;
+    for (size_t i = 0; i < keep; ++i) sum += prob[i] = std::exp(static_cast<double>(l[idx[i]]) - top);
+    if (p.top_p < 1.0f) {
+        double cum = 0;
+        size_t cut = keep;
+        for (size_t i = 0; i < keep; ++i) {
+            cum += prob[i] / sum;
+            if (cum >= p.top_p) { cut = i + 1; break; }
+        }
+        keep = cut;
+    }
+    if (p.min_p > 0.0f) {
+        // prob[0] is the largest; keep those at least min_p times as likely
+        size_t cut = 1;
+        while (cut < keep && prob[cut] >= p.min_p * prob[0]) ++cut;
+        keep = cut;
+    }
+
+    // temperature over the survivors
+    out.assign(n_vocab, 0.0f);
+    double z = 0;
+    std::vector<double> w(keep);
+    for (size_t i = 0; i < keep; ++i) z += w[i] = std::exp((static_cast<double>(l[idx[i]]) - top) / p.temperature);
+    for (size_t i = 0; i < keep; ++i) out[idx[i]] = static_cast<float>(w[i] / z);
+}
+
+int32_t sample_dense(const std::vector<float>& probs, double u) {
+    double total = 0;
+    for (float v : probs) total += v;
+    const double target = u * total;
+    double cum = 0;
+    int32_t last = -1;
+    for (size_t i = 0; i < probs.size(); ++i) {
+        if (probs[i] <= 0) continue;
+        cum += probs[i];
+        last = static_cast<int32_t>(i);
+        if (target < cum) return last;
+    }
+    return last;  // rounding left u*total at the very end
+}
+
+Verdict verify(const std::vector<const float*>& rows, int n_vocab, const std::vector<int32_t>& drafts,
+               const std::vector<std::vector<float>>& q, std::vector<int32_t> history,
+               const SamplerParams& p, AcceptRule rule, Rng& rng) {
+    Verdict v;
+    std::vector<float> row, pdist;
+    for (size_t i = 0; i <= drafts.size(); ++i) {
+        const bool bonus = i == drafts.size();
+        if (p.greedy()) {
+            row.assign(rows[i], rows[i] + n_vocab);
+            apply_penalty(row.data(), n_vocab, history, p);
+            const int32_t best = argmax(row.data(), n_vocab);
+            if (bonus || best != drafts[i]) { v.next = best; return v; }
+        } else {
+            distribution(rows[i], n_vocab, history, p, pdist);
+            if (bonus) { v.next = sample_dense(pdist, rng.uniform()); return v; }
+            const int32_t x = drafts[i];
+            const bool point_mass = q.empty();
+            const double qx = point_mass ? 1.0 : q[i][x];
+            const double u = rng.uniform();
+            if (rule == AcceptRule::Match) {
+                const int32_t y = sample_dense(pdist, u);
+                if (y != x) { v.next = y; return v; }
+            } else if (!(u * qx < pdist[x])) {
+                // rejected: accept with min(1, p/q) failed; draw from max(0, p - q) normalized
+                std::vector<float> residual(n_vocab);
+                double mass = 0;
+                for (int t = 0; t < n_vocab; ++t) {
+                    const float qt = point_mass ? (t == x ? 1.0f : 0.0f) : q[i][t];
+                    mass += residual[t] = std::max(0.0f, pdist[t] - qt);
+                }
+                v.next = sample_dense(mass > 0 ? residual : pdist, rng.uniform());
+                return v;
+            }
+        }
+        ++v.accepted;
+        history.push_back(drafts[i]);
+    }
+    return v;  // unreachable: the bonus row always returns
+}
+
+}  // namespace edgerun
