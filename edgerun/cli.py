@@ -22,6 +22,10 @@ def _add_model_args(p: argparse.ArgumentParser, *, positional: bool = False) -> 
     p.add_argument("--n-batch", type=int, default=e.n_batch, help="prompt tokens per llama_decode call")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--gpu-layers", default=e.gpu_layers, help="auto, 0, or a layer count")
+    p.add_argument("--draft", default=defaults.DRAFT,
+                   help="draft model: a catalog name or path, auto (the catalog's recommended draft where it pays), none")
+    p.add_argument("--spec-k", default="auto", help="draft tokens per round: auto (the governor) or a number")
+    p.add_argument("--ngram", action="store_true", help="prompt-lookup drafting (no model; pays when replies repeat the prompt)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

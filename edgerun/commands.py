@@ -41,10 +41,19 @@ def _model_spec(args) -> str:
     return args.model or catalog.load().default_target
 
 
+def _spec_k(args) -> int | None:
+    if args.spec_k == "auto":
+        return None
+    if not args.spec_k.isdigit():
+        raise ConfigError(f"--spec-k must be auto or a number, not '{args.spec_k}'")
+    return int(args.spec_k)
+
+
 def _open_runner(args):
     from edgerun.runner import Runner
 
-    return Runner(_model_spec(args), _engine_settings(args))
+    return Runner(_model_spec(args), _engine_settings(args), draft=args.draft, ngram=args.ngram,
+                  spec_k=_spec_k(args))
 
 
 @contextlib.contextmanager
@@ -87,7 +96,7 @@ def cmd_run(args) -> int:
         sys.stdout.flush()
     _err(f"[{stats.line()}]")
     if args.stats_json:
-        _write_json(args.stats_json, stats.as_json())
+        _write_json(args.stats_json, stats.as_json() | {"draft": runner.draft_spec or "none"})
     return 130 if stats.finish == "cancelled" else 0
 
 

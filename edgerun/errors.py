@@ -40,3 +40,7 @@ class ConfigError(EdgerunError):
 
 class EngineError(EdgerunError):
     """llama.cpp refused to load or run something."""
+
+
+class VocabMismatch(ConfigError):
+    """A draft model whose vocabulary differs from the target's."""

@@ -8,9 +8,12 @@ from pathlib import Path
 
 from edgerun.errors import ConfigError
 from edgerun.decode.generate import Prefill, Step, generate
+from edgerun.decode.speculative import Round
+from edgerun.decode.speculative import SpecConfig
+from edgerun.models import catalog, fetch
 from edgerun.models.fetch import resolve
 from edgerun.models.gguf_check import GGUFInfo, inspect
-from edgerun.runtime import chat_template, devices, placement
+from edgerun.runtime import chat_template, devices, placement, vocab
 from edgerun.runtime.engine import Context, Model
 from edgerun.settings import EngineSettings, SamplerSettings
 
@@ -23,12 +26,33 @@ def placement_for(info: GGUFInfo, settings: EngineSettings) -> placement.Plan:
     )
 
 
-class Runner:
-    """Owns one model and its context. Close it (or use `with`) to free both."""
+def draft_for(target_spec: str, draft: str | None) -> str | None:
+    """Which draft model to load: an explicit one, none, or for "auto" the catalog's recommended
+    draft when it is downloaded and a GPU is here (on CPU alone a model draft does not pay: the
+    target's batched verify costs nearly as much as the steps it saves)."""
+    if draft in (None, "none"):
+        return None
+    if draft != "auto":
+        return draft
+    entry = catalog.load().find(target_spec)
+    if entry is None or not entry.draft or not devices.gpu_offload_supported():
+        return None
+    return entry.draft if fetch.is_present(catalog.load().get(entry.draft)) else None
 
-    def __init__(self, spec: str | Path, settings: EngineSettings | None = None):
+
+class Runner:
+    """Owns the target model and context, and the draft's when speculating. Close it (or use
+    `with`) to free them all."""
+
+    def __init__(self, spec: str | Path, settings: EngineSettings | None = None, *,
+                 draft: str | None = None, ngram: bool = False, spec_k: int | None = None,
+                 rule: str = "rejection"):
         self.settings = settings or EngineSettings()
         self.path = resolve(str(spec))
+        self.draft_spec = draft_for(str(spec), draft)
+        self.draft_path = resolve(self.draft_spec) if self.draft_spec else None
+        if self.draft_path:
+            vocab.check_pair(self.path, self.draft_path)
         self.info = inspect(self.path)
         limit = self.info.context_length
         if limit and self.settings.n_ctx > limit:
@@ -37,16 +61,28 @@ class Runner:
                 f" use --ctx {limit} or less"
             )
         self.plan = placement_for(self.info, self.settings)
-        self.model = Model(self.path, n_gpu_layers=self.plan.gpu_layers, info=self.info)
+        self._owned: list = []  # closed in reverse on close()
         try:
-            self.ctx = Context(self.model, self.settings)
+            self.model = self._own(Model(self.path, n_gpu_layers=self.plan.gpu_layers, info=self.info))
+            self.ctx = self._own(Context(self.model, self.settings))
+            self.draft_ctx = None
+            if self.draft_path:
+                dinfo = inspect(self.draft_path)
+                dplan = placement_for(dinfo, self.settings.replace(gpu_layers="auto"))
+                self.draft_model = self._own(Model(self.draft_path, n_gpu_layers=dplan.gpu_layers, info=dinfo))
+                self.draft_ctx = self._own(Context(self.draft_model, self.settings))
         except Exception:
-            self.model.close()
+            self.close()
             raise
+        self.spec = SpecConfig(draft=self.draft_ctx, ngram=ngram, k=spec_k, rule=rule)
+
+    def _own(self, handle):
+        self._owned.append(handle)
+        return handle
 
     def close(self) -> None:
-        self.ctx.close()
-        self.model.close()
+        while self._owned:
+            self._owned.pop().close()
 
     def __enter__(self) -> "Runner":
         return self
@@ -55,14 +91,7 @@ class Runner:
         self.close()
 
     def chat_tokens(self, messages: list[dict]) -> list[int]:
-        m = self.model
-        text = chat_template.render(
-            self.info.chat_template, messages,
-            bos=m.piece(m.bos, special=True).decode(errors="replace") if m.bos >= 0 else "",
-            eos=m.piece(m.eos, special=True).decode(errors="replace") if m.eos >= 0 else "",
-        )
-        # a template that writes BOS itself must not get a second one from the tokenizer
-        return m.tokenize(text, add_special=m.add_bos and not _starts_with_bos(m, text))
+        return chat_tokens(self.model, messages)
 
     def raw_tokens(self, text: str) -> list[int]:
         return self.model.tokenize(text, add_special=True, parse_special=False)
@@ -74,12 +103,14 @@ class Runner:
         *,
         max_tokens: int,
         cancel: threading.Event | None = None,
-    ) -> Iterator[Prefill | Step]:
-        return generate(self.ctx, tokens, sampling, max_tokens=max_tokens, cancel=cancel)
+    ) -> Iterator[Prefill | Step | Round]:
+        return generate(self.ctx, tokens, sampling, max_tokens=max_tokens, cancel=cancel, spec=self.spec)
 
 
-def _starts_with_bos(model: Model, text: str) -> bool:
-    if model.bos < 0:
-        return False
-    bos = model.piece(model.bos, special=True).decode(errors="replace")
-    return bool(bos) and text.startswith(bos)
+def chat_tokens(model: Model, messages: list[dict]) -> list[int]:
+    """The model's chat template applied to messages, tokenized (special tokens parsed)."""
+    bos = model.piece(model.bos, special=True).decode(errors="replace") if model.bos >= 0 else ""
+    eos = model.piece(model.eos, special=True).decode(errors="replace") if model.eos >= 0 else ""
+    text = chat_template.render(model.info.chat_template, messages, bos=bos, eos=eos)
+    # a template that writes BOS itself must not get a second one from the tokenizer
+    return model.tokenize(text, add_special=model.add_bos and not (bos and text.startswith(bos)))

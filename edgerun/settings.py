@@ -45,5 +45,6 @@ class EngineSettings:
 
 
 MAX_TOKENS = 512
+DRAFT = "auto"  # the catalog's recommended draft, where it pays
 DEFAULT_SYSTEM_PROMPT: str | None = None  # None: the model's template decides
 HUB_TIMEOUT_S = 5.0  # how long to wait for the hub before falling back to the mirror

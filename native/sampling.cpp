@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <stdexcept>
 #include <unordered_set>
 
 namespace edgerun {
@@ -51,6 +52,7 @@ int32_t argmax(const float* x, int n) {
 
 void distribution(const float* logits, int n_vocab, const std::vector<int32_t>& history,
                   const SamplerParams& p, std::vector<float>& out) {
+    if (n_vocab <= 0) throw std::invalid_argument("distribution needs at least one logit");
     std::vector<float> l(logits, logits + n_vocab);
     apply_penalty(l.data(), n_vocab, history, p);
 
@@ -106,9 +108,23 @@ int32_t sample_dense(const std::vector<float>& probs, double u) {
     return last;  // rounding left u*total at the very end
 }
 
+// verify indexes pdist[x], q[i][x] and rows[i] directly; the Python face passes caller data
+// through, so a bad shape or token must be refused here rather than read out of bounds.
+static void check_verify_args(const std::vector<const float*>& rows, int n_vocab, const std::vector<int32_t>& drafts,
+                              const std::vector<std::vector<float>>& q) {
+    if (n_vocab <= 0) throw std::invalid_argument("verify needs n_vocab > 0");
+    if (rows.size() != drafts.size() + 1) throw std::invalid_argument("verify needs len(drafts) + 1 rows");
+    if (!q.empty() && q.size() != drafts.size()) throw std::invalid_argument("q needs one row per draft");
+    for (const auto& row : q)
+        if (row.size() != static_cast<size_t>(n_vocab)) throw std::invalid_argument("q rows need n_vocab entries");
+    for (int32_t x : drafts)
+        if (x < 0 || x >= n_vocab) throw std::invalid_argument("draft token outside the vocabulary");
+}
+
 Verdict verify(const std::vector<const float*>& rows, int n_vocab, const std::vector<int32_t>& drafts,
                const std::vector<std::vector<float>>& q, std::vector<int32_t> history,
                const SamplerParams& p, AcceptRule rule, Rng& rng) {
+    check_verify_args(rows, n_vocab, drafts, q);
     Verdict v;
     std::vector<float> row, pdist;
     for (size_t i = 0; i <= drafts.size(); ++i) {

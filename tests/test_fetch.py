@@ -32,7 +32,7 @@ from edgerun.models import fetch
 from edgerun.models.catalog import CatalogEntry, Source
 from edgerun.models.fetch import HubRef
 
-COMMIT = "c0ffee" + "0123456789abcdef" * 2 + "012345"  # the commit every served file belongs to
+COMMIT = "c0ffee" + "0123456789abcdef" * 2 + "42"  # 40 hex digits: the commit of every served file
 REPO = "testorg/tiny-llama"
 FILE = "tiny-f32.gguf"
 SERVER_LIFETIME_S = 120  # a server left behind by a crashed test shuts itself down
@@ -284,6 +284,7 @@ def _isolate(monkeypatch, tmp_path: Path, endpoint: str) -> None:
         "HF_TOKEN_PATH": str(hf_home / "token"),
         "HF_STORED_TOKENS_PATH": str(hf_home / "stored_tokens"),
         "HF_XET_CACHE": str(hf_home / "xet"),
+        "AGENT_HARNESSES_PATH": str(hf_home / ".agent_harnesses.json"),
         "HF_HUB_DISABLE_XET": True,
         "HF_HUB_OFFLINE": False,
         "HF_HUB_DISABLE_PROGRESS_BARS": True,
@@ -410,6 +411,9 @@ def test_pull_from_hub_stores_and_verifies(hub, model, tmp_path):
     assert [(g.path, g.range, g.status) for g in hub.gets()] == [(f"/{REPO}/resolve/main/{FILE}", None, 200)]
     assert {s.method for s in hub.resolves()} == {"HEAD", "GET"}
     assert said == [f"tiny: fetching from hub {REPO}/{FILE}"]
+    # plain HTTP only: no Xet request reached the server and hf_xet left no cache behind
+    assert {s.path for s in hub.seen} <= {f"/{REPO}/resolve/main/{FILE}", "/api/agent-harnesses"}
+    assert not (Path(hf_constants.HF_HOME) / "xet").exists()
 
     # verified once, a second pull asks the server nothing
     n = len(hub.seen)
@@ -433,7 +437,8 @@ def test_pull_resumes_a_dropped_connection(hub, big_model):
     first, second = hub.gets()
     assert (first.range, first.status) == (None, 200)
     assert second.status == 206
-    assert 0 < _range_start(second) <= cut  # from where it got to, not from the start
+    # from where it got to, not from the start (huggingface_hub rounds down to its last whole chunk)
+    assert 0 < _range_start(second) <= cut
     assert fetch.sha256_of(path) == entry.sha256
     assert fetch.is_verified(entry)
 
@@ -509,7 +514,8 @@ def test_pull_falls_back_to_the_next_hub_source(hub, model):
     path = fetch.pull(entry, say=said.append)
 
     assert fetch.sha256_of(path) == entry.sha256
-    assert any("not-there.gguf failed" in line and "trying the next source" in line for line in said)
+    assert any("not-there.gguf failed (404 Client Error. Entry Not Found" in line and "trying the next source" in line
+               for line in said)
 
 
 def test_all_hub_sources_failing_is_one_fetch_error(hub, model):
@@ -546,6 +552,20 @@ def test_pull_uri_with_subfolder_and_revision(hub, model):
     path = fetch.pull_uri(f"hf://{REPO}/quant/q8/model.gguf@{COMMIT}")
     assert path == _hf_repo_dir() / "snapshots" / COMMIT / "quant" / "q8" / "model.gguf"
     assert {s.path for s in hub.resolves()} == {f"/{REPO}/resolve/{COMMIT}/quant/q8/model.gguf"}
+    # a commit's files never change: once cached, asking again does not reach the hub
+    n = len(hub.seen)
+    assert fetch.pull_uri(f"hf://{REPO}/quant/q8/model.gguf@{COMMIT}") == path
+    assert len(hub.seen) == n
+
+
+def test_pull_uri_serves_the_cached_copy_while_the_hub_is_down(hub, model):
+    path = fetch.pull_uri(f"hf://{REPO}/{FILE}")
+    hub.refusing = True
+
+    t0 = time.monotonic()
+    assert fetch.pull_uri(f"hf://{REPO}/{FILE}") == path
+    assert time.monotonic() - t0 < 5
+    assert hub.resolves()[-1].status == 503  # it did ask, and settled for the cache
 
 
 def test_pull_uri_unreachable_hub_fails_fast(monkeypatch, tmp_path, refused_endpoint):
@@ -557,7 +577,7 @@ def test_pull_uri_unreachable_hub_fails_fast(monkeypatch, tmp_path, refused_endp
 
 
 def test_pull_uri_missing_file_is_a_fetch_error(hub):
-    with pytest.raises(FetchError, match="could not fetch hf://testorg/tiny-llama/nope.gguf"):
+    with pytest.raises(FetchError, match=r"could not fetch hf://testorg/tiny-llama/nope\.gguf: 404 .*Entry Not Found"):
         fetch.pull_uri(f"hf://{REPO}/nope.gguf")
 
 

@@ -52,8 +52,15 @@ def apply_penalty(logits: np.ndarray, history, penalty: float, last_n: int) -> n
     return out
 
 
+def _f32(x: float) -> float:
+    """A setting as SamplerParams stores it: float32. Cut-offs compare against this value (top_p
+    0.9999999999999999 is 1.0f there, i.e. off), so the reference must round the same way."""
+    return float(np.float32(x))
+
+
 def distribution(logits, history, *, temperature, top_k, top_p, min_p, repeat_penalty=1.0, repeat_last_n=64):
     """Penalty, top-k, top-p and min-p on the T=1 softmax, then temperature over the survivors."""
+    temperature, top_p, min_p, repeat_penalty = map(_f32, (temperature, top_p, min_p, repeat_penalty))
     l = apply_penalty(np.asarray(logits), history, repeat_penalty, repeat_last_n).astype(np.float64)
     n = len(l)
     order = sorted(range(n), key=lambda i: (-l[i], i))  # descending, lower id first on ties
@@ -86,7 +93,7 @@ def sample_dense(probs: np.ndarray, u: float) -> int:
 def verify(rows, drafts, q, history, params: dict, rule: str, rng: Rng) -> tuple[int, int]:
     """(accepted, next token) for a drafted run; q None means a point-mass (n-gram) drafter."""
     history = list(history)
-    greedy = params["temperature"] <= 0
+    greedy = _f32(params["temperature"]) <= 0
     for i in range(len(drafts) + 1):
         bonus = i == len(drafts)
         if greedy:
@@ -104,7 +111,8 @@ def verify(rows, drafts, q, history, params: dict, rule: str, rng: Rng) -> tuple
                 y = sample_dense(p, u)
                 if y != x:
                     return i, y
-            elif not (u * qrow[x] < p[x]):
+            # in double, as native: u * np.float32 would round the product to float32 (NEP 50)
+            elif not (u * float(qrow[x]) < float(p[x])):
                 # accept with min(1, p/q) failed: draw from max(0, p - q) normalized
                 residual = np.maximum(0.0, p - qrow)
                 return i, sample_dense(residual if residual.sum() > 0 else p, rng.uniform())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def parse_hf_uri(uri: str) -> HubRef:
     if "@" in rest:
         rest, revision = rest.rsplit("@", 1)
     parts = rest.split("/")
-    if len(parts) < 3 or not all(parts):
+    if len(parts) < 3 or not all(parts) or revision == "":
         raise UnknownModel(f"bad hub URI '{uri}': expected hf://org/repo/file.gguf")
     return HubRef(repo="/".join(parts[:2]), file="/".join(parts[2:]), revision=revision)
 
@@ -115,19 +116,42 @@ def _install(src: Path, entry: CatalogEntry, *, link: bool) -> Path:
 
 
 def _hub_download(ref: HubRef, *, timeout: float) -> Path:
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
+
+    if ref.revision and re.fullmatch(r"[0-9a-f]{40}", ref.revision) and (cached := _hub_cached(ref)):
+        return cached  # a commit's files never change: nothing to ask the hub
+    if not constants.is_offline_mode():
+        try:
+            # when the hub is down or unreachable, hf_hub_download retries for ~25 s before it
+            # gives up; one quick look first lets the caller move on to its next source in time
+            get_hf_file_metadata(hf_hub_url(ref.repo, ref.file, revision=ref.revision), timeout=timeout)
+        except Exception:
+            cached = _hub_cached(ref)
+            if cached is None:
+                raise
+            return cached
+    return Path(hf_hub_download(ref.repo, ref.file, revision=ref.revision, etag_timeout=timeout))
+
+
+def _hub_cached(ref: HubRef) -> Path | None:
+    """The copy already in the hub cache, which is what hf_hub_download serves when the hub is down."""
     from huggingface_hub import hf_hub_download
 
-    return Path(hf_hub_download(ref.repo, ref.file, revision=ref.revision, etag_timeout=timeout))
+    try:
+        return Path(hf_hub_download(ref.repo, ref.file, revision=ref.revision, local_files_only=True))
+    except Exception:
+        return None
 
 
 def _from_hub(entry: CatalogEntry, source: Source) -> Path:
     if not os.environ.get("HF_HUB_OFFLINE"):
         _check_space(paths.cache_dir(), entry.size)
-    blob = _hub_download(HubRef(source.repo, source.file), timeout=settings.HUB_TIMEOUT_S)
+    link = _hub_download(HubRef(source.repo, source.file), timeout=settings.HUB_TIMEOUT_S)
+    blob = link.resolve()  # resolved now: a mismatch deletes the link, and then the blob is unreachable
     try:
-        return _install(blob, entry, link=True)
+        return _install(link, entry, link=True)
     except ChecksumMismatch:
-        blob.resolve().unlink(missing_ok=True)  # never keep a bad file, not even in the hub cache
+        blob.unlink(missing_ok=True)  # never keep a bad file, not even in the hub cache
         raise
 
 
@@ -215,8 +239,11 @@ def pull(entry: CatalogEntry, say: Say = lambda _: None) -> Path:
 
 
 def _short_reason(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:160]
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and re.fullmatch(r"\d{3} Client Error\.", lines[0]):
+        # huggingface_hub puts the bare status first and what was not found on the next line
+        lines[0] = f"{lines[0]} {lines[1]}"
+    return (lines[0] if lines else type(exc).__name__)[:160]
 
 
 def pull_uri(uri: str) -> Path:

@@ -1,8 +1,9 @@
 """Validate a GGUF file in Python before llama.cpp ever opens it.
 
 llama.cpp trusts the file's offsets and counts; a truncated or hostile file can crash the process.
-Here gguf-py parses the header, metadata and tensor table, and every tensor's data range is checked
-to lie inside the file, so only well-formed files reach native code."""
+Here gguf-py parses the header, metadata and tensor table (with every read bounded by the file's
+size), and every tensor's data range is checked to lie inside the file where llama.cpp expects it,
+so only well-formed files reach native code."""
 
 from __future__ import annotations
 
@@ -127,8 +128,12 @@ def _min_item_bytes(item_type: int) -> int:
 def _header_check(path: Path, size: int) -> None:
     if size < 24:
         raise _fail(path, f"not a GGUF file (only {size} bytes)")
-    with open(path, "rb") as f:
-        head = f.read(24)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError as exc:  # unreadable (permissions, I/O error): say so, not a traceback
+        what = f"{path}: cannot read it ({exc.strerror or exc}); check its permissions"
+        raise InvalidModelFile(_one_line(what)) from None
     if head[:4] != GGUF_MAGIC:
         raise _fail(path, f"not a GGUF file (magic {head[:4]!r}, expected b'GGUF')")
     version = struct.unpack_from("<I", head, 4)[0]
@@ -153,11 +158,16 @@ def _scalar(reader: GGUFReader, key: str, default=None):
     return f.parts[f.data[0]][0].item()
 
 
-def _count(path: Path, reader: GGUFReader, key: str, default: int) -> int:
+def _count(path: Path, reader: GGUFReader, key: str, default: int, *, per_layer: bool = False) -> int:
     """A size the runtime plans with (layers, context, heads): a string, float or negative
-    value would otherwise surface later as a crash or a baffling placement error."""
+    value would otherwise surface later as a crash or a baffling placement error.
+
+    per_layer: llama.cpp also takes an array with one value per layer for this key (OpenELM,
+    DeciLM and Jamba store head counts so); such an array gives the default, as before."""
     f = reader.fields.get(key)
     if f is None:
+        return default
+    if per_layer and f.types[:1] == [GGUFValueType.ARRAY] and f.types[-1] in _INT_TYPES:
         return default
     if len(f.types) != 1 or f.types[0] not in _INT_TYPES:
         raise _fail(path, f"{key} is not an integer ({'/'.join(t.name for t in f.types)})")
@@ -187,8 +197,9 @@ def _tensor_bytes(tensor) -> int:
     wrapped count (2**32 x 2**32 = 0) would make a huge tensor look tiny."""
     block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
     dims = [int(d) for d in tensor.shape]
-    if (dims[0] if dims else 1) % block:  # a tensor of no dimensions is one element
-        raise ValueError(f"tensor {_quote(tensor.name)}: row of {dims[0] if dims else 1} is not a multiple of block {block}")
+    row = dims[0] if dims else 1  # a tensor of no dimensions is one element
+    if row % block:
+        raise ValueError(f"tensor {_quote(tensor.name)}: row of {row} is not a multiple of block {block}")
     return math.prod(dims) // block * type_size
 
 
@@ -240,7 +251,7 @@ def _parse(path: Path, size: int) -> GGUFInfo:
     except (KeyError, ValueError) as exc:
         raise _fail(path, f"corrupt tensor table ({exc})") from None
     n_layers = _count(path, reader, f"{arch}.block_count", len(layer_bytes))
-    n_head = _count(path, reader, f"{arch}.attention.head_count", 1) or 1
+    n_head = _count(path, reader, f"{arch}.attention.head_count", 1, per_layer=True) or 1
     n_embd = _count(path, reader, f"{arch}.embedding_length", 0)
     head_dim = _count(path, reader, f"{arch}.attention.key_length", n_embd // n_head)
     from gguf import LlamaFileType  # local: only needed for the label
@@ -258,7 +269,7 @@ def _parse(path: Path, size: int) -> GGUFInfo:
         n_layers=n_layers,
         context_length=_count(path, reader, f"{arch}.context_length", 0),
         n_embd=n_embd,
-        n_head_kv=_count(path, reader, f"{arch}.attention.head_count_kv", n_head) or n_head,
+        n_head_kv=_count(path, reader, f"{arch}.attention.head_count_kv", n_head, per_layer=True) or n_head,
         head_dim=head_dim,
         chat_template=_text(path, reader, "tokenizer.chat_template"),
         n_vocab=_array_len(reader, "tokenizer.ggml.tokens"),

@@ -23,10 +23,12 @@ llama_cpp.llama_backend_init()
 class Model:
     """Owns a llama_model*. Validated with gguf-py before llama.cpp sees the file."""
 
-    def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, info: GGUFInfo | None = None):
+    def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, info: GGUFInfo | None = None,
+                 vocab_only: bool = False):
         self.info = info or inspect(path)
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        params.vocab_only = vocab_only
         self.n_gpu_layers = n_gpu_layers
         self.ptr = llama_cpp.llama_model_load_from_file(str(self.info.path).encode(), params)
         if not self.ptr:
@@ -59,6 +61,13 @@ class Model:
     @property
     def eot(self) -> int:
         return llama_cpp.llama_vocab_eot(self.vocab)
+
+    def token_text(self, token: int) -> bytes:
+        return llama_cpp.llama_vocab_get_text(self.vocab, token) or b""
+
+    @property
+    def vocab_type(self) -> int:
+        return llama_cpp.llama_vocab_type(self.vocab)
 
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))

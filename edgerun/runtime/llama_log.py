@@ -9,8 +9,8 @@ import llama_cpp
 
 log = logging.getLogger("edgerun.llama")
 
-# ggml_log_level: 0 none, 1 info, 2 warn, 3 error, 4 debug, 5 continue the previous line
-_LEVELS = {0: logging.CRITICAL, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.DEBUG}
+# ggml.h's ggml_log_level: 0 none, 1 debug, 2 info, 3 warn, 4 error, 5 continue the previous line
+_LEVELS = {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 
 
 class _LineBuffer:
