@@ -3,6 +3,8 @@ distribution at temperature > 0, KV bookkeeping, and vocabulary checks."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -99,8 +101,16 @@ def test_kv_cache_after_many_rejections_matches_a_fresh_evaluation(target_model,
         cached = r.ctx.logits(-1).copy()
         with Context(r.model, SETTINGS) as fresh:  # ...and the cache holds exactly that
             fresh.eval(sequence[: n + 1])
-            assert np.allclose(cached, fresh.logits(-1), atol=0.05)
-            assert int(np.argmax(cached)) == int(np.argmax(fresh.logits(-1)))
+            batched = fresh.logits(-1).copy()
+            fresh.trim(len(tokens))
+            for token in sequence[len(tokens) : n + 1]:
+                fresh.eval([token])
+            stepwise = fresh.logits(-1).copy()
+        # a stale or missing KV entry moves logits by whole units; evaluation order only by the
+        # kernels' rounding, which the two fresh evaluations measure
+        noise = float(np.max(np.abs(batched - stepwise)))
+        assert float(np.max(np.abs(cached - stepwise))) <= 2 * noise + 0.02
+        assert int(np.argmax(cached)) == int(np.argmax(stepwise))
 
 
 def test_other_vocab_draft_is_refused_before_loading(target_model, other_vocab_model):
@@ -116,13 +126,15 @@ def test_same_family_pair_passes_the_vocab_check(target_model, small_model):
 
 def test_ngram_drafter_on_a_copy_task_accepts_and_stays_exact(small):
     model, ctx, _ = small
-    tokens = chat_tokens(model, _user(PROMPTS[2]))
+    tokens = chat_tokens(model, _user((Path(__file__).parent / "data" / "code_edit.txt").read_text()))
     ctx.trim(0)
-    plain, _, _ = _run(ctx, tokens, GREEDY, 60)
+    plain, _, _ = _run(ctx, tokens, GREEDY, 160)
     ctx.trim(0)
-    spec, _, rounds = _run(ctx, tokens, GREEDY, 60, SpecConfig(ngram=True))
+    spec, _, rounds = _run(ctx, tokens, GREEDY, 160, SpecConfig(ngram=True))
     assert spec == plain
-    assert sum(r.accepted for r in rounds if r.drafter == "ngram") >= 10
+    ngram = [r for r in rounds if r.drafter == "ngram"]
+    accepted, drafted = sum(r.accepted for r in ngram), sum(r.drafted for r in ngram)
+    assert accepted >= 40 and accepted / drafted > 0.7  # the reply repeats the prompt
 
 
 def test_rejection_rule_accepts_more_than_sample_and_compare(target_model, small_model):

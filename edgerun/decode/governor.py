@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 K_MAX = 8
 EMA = 0.15           # weight of the newest measurement
 PRIOR_ALPHA = 0.6    # acceptance assumed before any draft was verified
+PRIOR_TRIALS = 1.0   # ... worth this many accept/reject decisions
 PROBE_FIRST = 8      # plain rounds before re-checking a draft that lost
 PROBE_MAX = 256      # ... growing up to this while it keeps losing
 
@@ -16,6 +17,8 @@ PROBE_MAX = 256      # ... growing up to this while it keeps losing
 @dataclass(frozen=True)
 class GovernorState:
     alpha: float = PRIOR_ALPHA      # per-token acceptance probability (geometric model)
+    accepted_ema: float = PRIOR_ALPHA * PRIOR_TRIALS  # accepted drafts per drafted round
+    trials_ema: float = PRIOR_TRIALS  # accept/reject decisions per drafted round
     draft_step_s: float | None = None  # one draft token
     verify_s: tuple[tuple[int, float], ...] = ()  # (batch size, seconds) EMAs, sorted
     plain_rounds: int = 0           # consecutive k = 0 rounds
@@ -89,12 +92,17 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
     table = dict(state.verify_s)
     n = drafted + 1
     table[n] = _ema(table.get(n), verify_s)
-    alpha = state.alpha
+    alpha, accepted_ema, trials_ema = state.alpha, state.accepted_ema, state.trials_ema
     draft_step = state.draft_step_s
     if drafted > 0:
-        # geometric model: accepted successes, then one failure unless every draft was accepted
+        # geometric model: accepted successes, then one failure unless every draft was accepted.
+        # alpha = successes / decisions (the maximum-likelihood estimate for runs cut off at k),
+        # each averaged over recent rounds. A mean of per-round ratios a/(a+1) is biased low
+        # (k=8, alpha=0.8 settles near 0.62), and the governor would then draft too little.
         failures = 0 if accepted == drafted else 1
-        alpha = _ema(alpha, accepted / (accepted + failures)) if accepted + failures else alpha
+        accepted_ema = _ema(accepted_ema, accepted)
+        trials_ema = _ema(trials_ema, accepted + failures)
+        alpha = accepted_ema / trials_ema
         draft_step = _ema(draft_step, draft_s / drafted)
     if k == 0:
         plain_rounds, probe_every = state.plain_rounds + 1, state.probe_every
@@ -103,6 +111,7 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
         # a probe that found the draft still losing waits twice as long for the next one
         losing = state.plain_rounds >= state.probe_every
         probe_every = min(PROBE_MAX, state.probe_every * 2) if losing else state.probe_every
-    return replace(state, alpha=alpha, draft_step_s=draft_step, verify_s=tuple(sorted(table.items())),
+    return replace(state, alpha=alpha, accepted_ema=accepted_ema, trials_ema=trials_ema, draft_step_s=draft_step,
+                   verify_s=tuple(sorted(table.items())),
                    plain_rounds=plain_rounds, probe_every=probe_every, decided=decided)
 

@@ -1,0 +1,275 @@
+"""The draft-length governor (edgerun/decode/governor.py): pure policy, simulated rounds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgerun.decode import governor as gov
+from edgerun.decode.governor import GovernorState, choose, expected_tokens, rate, update, verify_time
+
+STEP = 0.02  # one target decoding step, seconds
+
+
+# ---------------------------------------------------------------- a fake round model
+
+@dataclass(frozen=True)
+class Costs:
+    draft: float        # one draft token, in target steps
+    batch: float        # each extra verified token, in target steps: verify(n) = (1 + batch (n-1)) steps
+
+    def verify_s(self, n: int) -> float:
+        return STEP * (1 + self.batch * (n - 1))
+
+    def draft_s(self, k: int) -> float:
+        return STEP * self.draft * k
+
+
+EXPENSIVE = Costs(draft=0.5, batch=0.4)
+CHEAP = Costs(draft=0.05, batch=0.1)
+
+
+def accepted_run(gen: np.random.Generator, alpha: float, k: int) -> int:
+    """Leading drafts accepted when each is accepted independently with probability alpha."""
+    n = 0
+    while n < k and gen.random() < alpha:
+        n += 1
+    return n
+
+
+def play(state: GovernorState, k: int, costs: Costs, alpha: float, gen: np.random.Generator, why: str = ""):
+    """One round with k drafts: (new state, tokens produced, seconds spent)."""
+    accepted = accepted_run(gen, alpha, k)
+    draft_s, verify_s = costs.draft_s(k), costs.verify_s(k + 1)
+    state = update(state, k=k, drafted=k, accepted=accepted, draft_s=draft_s, verify_s=verify_s, decided=why)
+    return state, accepted + 1, draft_s + verify_s
+
+
+def session(costs: Costs, alpha: float, rounds: int, seed: int = 0):
+    """Run the governor for `rounds`: (tokens per second, the k of each round, final state)."""
+    gen = np.random.default_rng(seed)
+    state, tokens, seconds, ks = GovernorState(), 0, 0.0, []
+    for _ in range(rounds):
+        k, why = choose(state)
+        state, t, s = play(state, k, costs, alpha, gen, why)
+        tokens, seconds = tokens + t, seconds + s
+        ks.append(k)
+    return tokens / seconds, ks, state
+
+
+def measured(costs: Costs, alpha: float = gov.PRIOR_ALPHA) -> GovernorState:
+    """A state that has seen one plain round and one k=2 round (what choose() asks for first),
+    with its acceptance estimate then set to alpha."""
+    s = GovernorState()
+    s = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=costs.verify_s(1), decided="")
+    s = update(s, k=2, drafted=2, accepted=1, draft_s=costs.draft_s(2), verify_s=costs.verify_s(3), decided="")
+    return replace(s, alpha=alpha, accepted_ema=alpha * s.trials_ema)
+
+
+PLAIN_RATE = 1 / STEP
+
+
+# ---------------------------------------------------------------- expected_tokens, verify_time
+
+@given(alpha=st.floats(0.0, 0.999999), k=st.integers(0, 16))
+def test_expected_tokens_closed_form(alpha, k):
+    assert expected_tokens(alpha, k) == pytest.approx(sum(alpha**i for i in range(k + 1)), rel=1e-9)
+
+
+@pytest.mark.parametrize("k", range(10))
+def test_expected_tokens_at_full_acceptance(k):
+    assert expected_tokens(1.0, k) == k + 1
+    assert expected_tokens(1 - 1e-12, k) == pytest.approx(k + 1, rel=1e-6)  # continuous at 1
+
+
+@given(alpha=st.floats(0.0, 1.0), k=st.integers(0, 15))
+def test_expected_tokens_grows_with_k_and_alpha(alpha, k):
+    assert 1.0 <= expected_tokens(alpha, k) <= expected_tokens(alpha, k + 1) <= k + 2
+    assert expected_tokens(alpha * 0.9, k) <= expected_tokens(alpha, k) + 1e-12
+
+
+def test_verify_time_measured_then_interpolated():
+    assert verify_time(GovernorState(), 1) is None
+    one = GovernorState(verify_s=((1, 0.02),))
+    assert verify_time(one, 1) == 0.02
+    assert verify_time(one, 3) == pytest.approx(0.02 * 1.5)  # the cheap-batching guess
+    two = GovernorState(verify_s=((1, 0.02), (5, 0.04)))
+    assert verify_time(two, 3) == pytest.approx(0.03)
+    assert verify_time(two, 9) == pytest.approx(0.06)
+
+
+# ---------------------------------------------------------------- choose: the phases
+
+def test_plain_first_then_the_draft_is_measured():
+    s = GovernorState()
+    assert choose(s) == (0, "measuring plain decoding")
+    s = update(s, k=0, drafted=0, accepted=0, draft_s=0, verify_s=STEP, decided="")
+    k, why = choose(s)
+    assert k == 2 and "measuring the draft" in why
+    assert choose(s, available=1)[0] == 1
+    assert choose(s, available=0)[0] == 0
+
+
+def test_cheap_draft_with_high_acceptance_drafts():
+    k, why = choose(measured(CHEAP, alpha=0.9))
+    assert k > 0 and f"k={k}" in why
+    assert rate(measured(CHEAP, alpha=0.9), k) > rate(measured(CHEAP, alpha=0.9), 0)
+
+
+def test_expensive_draft_with_mediocre_acceptance_stays_plain():
+    s = measured(EXPENSIVE, alpha=0.6)
+    k, why = choose(s)
+    assert k == 0 and "draft off" in why
+    assert all(rate(s, j) < rate(s, 0) for j in range(1, gov.K_MAX + 1))
+
+
+@pytest.mark.parametrize("available", [0, 1, 2, 3, 5, 20])
+def test_available_caps_k(available):
+    s = measured(CHEAP, alpha=0.99)
+    k, _ = choose(s, available=available)
+    assert k == min(available, gov.K_MAX)  # near-certain acceptance: as many as allowed
+
+
+def test_k_max_caps_k():
+    s = replace(measured(CHEAP, alpha=0.99), k_max=3)
+    assert choose(s)[0] == 3
+    assert choose(replace(s, k_max=0)) == (0, "no draft available: plain step")
+
+
+def test_probes_come_at_doubling_intervals_while_the_draft_loses():
+    gen = np.random.default_rng(3)
+    s = measured(EXPENSIVE)
+    gaps, plain_run, probe_everys = [], 0, []
+    for _ in range(1200):
+        k, why = choose(s)
+        if k > 0:
+            assert k == 1 and "re-checking" in why
+            gaps.append(plain_run)
+            probe_everys.append(s.probe_every)
+            plain_run = 0
+        else:
+            plain_run += 1
+        s, _, _ = play(s, k, EXPENSIVE, 0.6, gen, why)
+    assert gaps[:6] == [8, 16, 32, 64, 128, 256]
+    assert all(g == gov.PROBE_MAX for g in gaps[6:]) and len(gaps) >= 7
+    assert probe_everys[:7] == [8, 16, 32, 64, 128, 256, 256]
+
+
+# ---------------------------------------------------------------- choose: invariants
+
+@st.composite
+def states(draw):
+    ns = draw(st.lists(st.integers(1, 12), min_size=0, max_size=4, unique=True))
+    base = draw(st.floats(1e-3, 0.5))
+    table = tuple(sorted((n, base * (1 + draw(st.floats(0.0, 1.5)) * (n - 1))) for n in ns))
+    return GovernorState(
+        alpha=draw(st.floats(0.0, 1.0)),
+        draft_step_s=draw(st.one_of(st.none(), st.floats(1e-6, 0.5))),
+        verify_s=table,
+        plain_rounds=draw(st.integers(0, 600)),
+        probe_every=draw(st.sampled_from([8, 16, 32, 64, 128, 256])),
+        k_max=draw(st.integers(0, 10)),
+    )
+
+
+@given(s=states(), available=st.one_of(st.none(), st.integers(0, 12)))
+@settings(max_examples=500)
+def test_choose_respects_caps_and_only_drafts_when_it_pays(s, available):
+    k, why = choose(s, available)
+    cap = s.k_max if available is None else min(s.k_max, available)
+    assert 0 <= k <= cap and isinstance(why, str) and why
+    plain = rate(s, 0)
+    if cap == 0 or plain is None:
+        assert k == 0
+        return
+    if s.draft_step_s is None or len(s.verify_s) < 2:
+        assert k == min(2, cap)  # measuring the draft
+        return
+    rates = {j: rate(s, j) for j in range(1, cap + 1)}
+    best = max((r for r in rates.values() if r is not None), default=None)
+    probe = s.plain_rounds >= s.probe_every
+    if best is None or best <= plain:
+        assert k == (1 if probe else 0)
+    else:
+        assert k > 0 and rates[k] == best and rates[k] > plain
+
+
+@given(s=states(), k=st.integers(0, 8), accepted=st.integers(0, 8), draft_s=st.floats(0, 1),
+       verify_s=st.floats(1e-4, 1))
+@settings(max_examples=300)
+def test_update_keeps_the_state_sane(s, k, accepted, draft_s, verify_s):
+    accepted = min(accepted, k)
+    new = update(s, k=k, drafted=k, accepted=accepted, draft_s=draft_s, verify_s=verify_s, decided="x")
+    assert 0.0 <= new.alpha <= 1.0
+    assert gov.PROBE_FIRST <= new.probe_every <= gov.PROBE_MAX or new.probe_every == s.probe_every
+    assert dict(new.verify_s).keys() >= {k + 1}
+    assert new.plain_rounds == (s.plain_rounds + 1 if k == 0 else 0)
+    assert new.decided == "x"
+
+
+# ---------------------------------------------------------------- learning acceptance
+
+@pytest.mark.parametrize("alpha,k", [(0.8, 1), (0.8, 4), (0.8, 8), (0.5, 8), (0.95, 6)])
+def test_acceptance_estimate_is_consistent(alpha, k):
+    # Per-token acceptance alpha, drafts of k: the geometric model's estimate must settle near
+    # alpha whatever k is (a mean of per-round accepted/(accepted+failures) would not: at k=8,
+    # alpha=0.8 it settles near 0.62, and the governor would draft too little).
+    gen = np.random.default_rng(17)
+    s, estimates = GovernorState(), []
+    for r in range(3000):
+        s, _, _ = play(s, k, CHEAP, alpha, gen)
+        if r >= 500:
+            estimates.append(s.alpha)
+    assert np.mean(estimates) == pytest.approx(alpha, abs=0.03)
+
+
+def test_acceptance_prior_before_any_draft():
+    assert GovernorState().alpha == gov.PRIOR_ALPHA
+    s = update(GovernorState(), k=0, drafted=0, accepted=0, draft_s=0, verify_s=STEP, decided="")
+    assert s.alpha == gov.PRIOR_ALPHA  # plain rounds say nothing about acceptance
+
+
+# ---------------------------------------------------------------- whole sessions
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_losing_draft_costs_almost_nothing(seed):
+    tps, ks, _ = session(EXPENSIVE, alpha=0.6, rounds=2000, seed=seed)
+    assert tps >= 0.97 * PLAIN_RATE
+    assert sum(k > 0 for k in ks) < 20  # the measurement and a few probes
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_winning_draft_pays(seed):
+    tps, ks, _ = session(CHEAP, alpha=0.8, rounds=2000, seed=seed)
+    assert tps >= 1.3 * PLAIN_RATE
+
+
+@pytest.mark.parametrize("costs,alpha", [(CHEAP, 0.8), (CHEAP, 0.9), (Costs(0.1, 0.2), 0.7), (Costs(0.02, 0.05), 0.9)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_governor_gets_close_to_the_best_fixed_k(costs, alpha, seed):
+    # the best fixed k is what an oracle knowing alpha and the costs would pick; the governor
+    # learns both, so it may lose a little to measuring, not to a biased acceptance estimate
+    best_fixed = max(expected_tokens(alpha, k) / (costs.verify_s(k + 1) + costs.draft_s(k)) for k in range(9))
+    tps, _, _ = session(costs, alpha, rounds=3000, seed=seed)
+    assert tps >= 0.93 * best_fixed
+
+
+def test_session_recovers_when_the_draft_turns_good():
+    # a losing draft first (probes back off), then the content changes and drafts land: a later
+    # probe must notice and switch drafting back on
+    gen = np.random.default_rng(5)
+    s = GovernorState()
+    for _ in range(300):
+        k, why = choose(s)
+        s, _, _ = play(s, k, CHEAP, 0.05, gen, why)
+    assert choose(s)[0] == 0 or s.plain_rounds >= s.probe_every
+    ks = []
+    for _ in range(600):
+        k, why = choose(s)
+        s, _, _ = play(s, k, CHEAP, 0.95, gen, why)
+        ks.append(k)
+    assert np.mean(np.array(ks[-100:]) > 0) > 0.95

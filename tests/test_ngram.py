@@ -1,0 +1,155 @@
+"""Prompt-lookup drafting (edgerun/decode/ngram.py) against a brute-force scan."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgerun.decode.ngram import NGRAM_MAX, NGRAM_MIN, NgramDrafter
+
+
+def brute_force(seq: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
+    """The tokens after the latest earlier occurrence of the longest suffix n-gram, scanning
+    every start position; the suffix itself (start len - n) never counts."""
+    if k <= 0:
+        return []
+    for n in range(min(n_max, len(seq) - 1), n_min - 1, -1):
+        suffix = seq[len(seq) - n:]
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start:start + n] == suffix:
+                return seq[start + n:start + n + k]
+    return []
+
+
+def drafter(tokens, **kw) -> NgramDrafter:
+    d = NgramDrafter(**kw)
+    d.reset(tokens)
+    return d
+
+
+# ---------------------------------------------------------------- examples
+
+def test_copies_what_followed_the_earlier_occurrence():
+    assert drafter([1, 2, 3, 4, 5, 9, 1, 2, 3]).propose(3) == [4, 5, 9]
+
+
+def test_prefers_the_longest_suffix_ngram():
+    # (2, 3) last occurred before 7; the longer (1, 2, 3) occurred before 4: the longer wins
+    seq = [1, 2, 3, 4, 0, 2, 3, 7, 1, 2, 3]
+    assert drafter(seq).propose(1) == [4]
+    assert brute_force(seq, 1) == [4]
+
+
+def test_prefers_the_latest_occurrence_of_equal_length():
+    assert drafter([5, 6, 1, 8, 5, 6, 2, 8, 5, 6]).propose(2) == [2, 8]
+
+
+def test_empty_when_nothing_repeats():
+    assert drafter([1, 2, 3, 4, 5, 6]).propose(4) == []
+    assert drafter([]).propose(4) == []
+    assert drafter([7, 7]).propose(4) == []  # too short for an earlier 2-gram
+
+
+def test_single_tokens_are_not_enough():
+    # 3 recurs, but a 1-gram is below NGRAM_MIN: no proposal
+    assert drafter([3, 1, 2, 3]).propose(2) == []
+
+
+def test_respects_k():
+    d = drafter([1, 2, 3, 4, 5, 6, 7, 1, 2])
+    assert d.propose(0) == [] and d.propose(-1) == []
+    assert d.propose(1) == [3]
+    assert d.propose(4) == [3, 4, 5, 6]
+    assert d.propose(100) == [3, 4, 5, 6, 7, 1, 2]  # up to the end of the history
+
+
+def test_never_proposes_from_the_suffix_itself():
+    # a run of one token: the suffix (9, 9) matches itself, but only the earlier, overlapping
+    # occurrence may be used, which is followed by just one more 9
+    assert drafter([9, 9, 9]).propose(5) == [9]
+    # all-distinct histories never propose, however they grow
+    d = drafter([])
+    for t in range(50):
+        d.extend([t])
+        assert d.propose(4) == []
+
+
+def test_extend_picks_up_new_occurrences():
+    d = drafter([1, 2, 3])
+    assert d.propose(2) == []
+    d.extend([1, 2])
+    assert d.propose(2) == [3, 1]
+    d.extend([4, 1, 2])  # (1, 2) now last occurred before 4
+    assert d.propose(2) == [4, 1]
+
+
+def test_reset_forgets_the_old_history():
+    d = drafter([1, 2, 3, 1, 2])
+    assert d.propose(1) == [3]
+    d.reset([4, 5, 6, 4, 5])
+    assert d.propose(1) == [6]
+    d.reset([1, 2])
+    assert d.propose(1) == []
+
+
+# ---------------------------------------------------------------- against the brute force
+
+tokens = st.lists(st.integers(0, 3), max_size=60)  # small alphabets: lots of repeats
+
+
+@given(seq=st.lists(st.integers(0, 4), max_size=80), k=st.integers(0, 10))
+@settings(max_examples=500)
+def test_matches_brute_force(seq, k):
+    assert drafter(seq).propose(k) == brute_force(seq, k)
+
+
+@given(seq=tokens, k=st.integers(1, 6), n_min=st.integers(1, 3), extra=st.integers(0, 3))
+@settings(max_examples=300)
+def test_matches_brute_force_for_other_ngram_sizes(seq, k, n_min, extra):
+    n_max = n_min + extra
+    got = drafter(seq, n_max=n_max, n_min=n_min).propose(k)
+    assert got == brute_force(seq, k, n_max, n_min)
+
+
+@given(prompt=tokens, steps=st.lists(st.tuples(tokens.map(lambda t: t[:5]), st.integers(0, 8)), max_size=25))
+@settings(max_examples=300)
+def test_incremental_extend_matches_brute_force(prompt, steps):
+    # the speculator's pattern: extend by a few tokens, propose, extend again
+    d = drafter(prompt)
+    seq = list(prompt)
+    for chunk, k in steps:
+        d.extend(chunk)
+        seq += chunk
+        got = d.propose(k)
+        assert got == brute_force(seq, k)
+        assert len(got) <= max(k, 0)
+        assert d.tokens == seq
+
+
+@given(prompt=tokens, chunks=st.lists(tokens.map(lambda t: t[:4]), max_size=20), k=st.integers(1, 6))
+@settings(max_examples=200)
+def test_propose_after_any_extends_equals_a_fresh_drafter(prompt, chunks, k):
+    # the lazy index never goes stale: proposing at every step or only at the end agrees with
+    # a drafter built from the whole history at once
+    d = drafter(prompt)
+    for chunk in chunks:
+        d.propose(k)
+        d.extend(chunk)
+    whole = prompt + [t for c in chunks for t in c]
+    assert d.propose(k) == drafter(whole).propose(k) == brute_force(whole, k)
+
+
+@given(seq=tokens, k=st.integers(1, 8))
+@settings(max_examples=300)
+def test_proposal_is_a_real_continuation(seq, k):
+    # whatever is proposed appears in the history right after an earlier copy of the suffix
+    got = drafter(seq).propose(k)
+    if not got:
+        return
+    found = False
+    for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+        suffix = seq[len(seq) - n:]
+        for start in range(0, len(seq) - n):
+            if seq[start:start + n] == suffix and seq[start + n:start + n + len(got)] == got:
+                found = True
+    assert found
