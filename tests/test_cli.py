@@ -124,3 +124,34 @@ def test_chat_plain_keeps_history_and_exits_on_eof(small_model):
     assert proc.returncode == 0, proc.stderr
     assert "Ada" in proc.stdout.split("\n", 1)[1]
     assert sum(line.startswith("[") for line in proc.stderr.splitlines()) == 2  # one stats line per reply
+
+
+def _wait_for_output(proc, n_bytes: int, timeout: float = 120.0) -> bytes:
+    import select
+    import time
+
+    got = b""
+    deadline = time.monotonic() + timeout
+    while len(got) < n_bytes and time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+        if ready:
+            got += os.read(proc.stdout.fileno(), 4096)
+    return got
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_reply_not_the_program(small_model):
+    import signal
+
+    proc = subprocess.Popen([*EDGERUN, "chat", "--plain", str(small_model), "--temp", "0", "-n", "400"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdin.write(b"Write a very long story about a lighthouse keeper.\n")
+    proc.stdin.flush()
+    partial = _wait_for_output(proc, 40)
+    assert len(partial) >= 40
+    proc.send_signal(signal.SIGINT)  # mid-reply
+    out, err = proc.communicate(b"Now reply with just the word: done\n", timeout=300)
+    assert proc.returncode == 0, err.decode()
+    assert b"(stopped)" in err and b"Traceback" not in err
+    assert sum(line.startswith(b"[") for line in err.splitlines()) == 2  # a stats line per reply
+    assert b"done" in (partial + out).lower()

@@ -9,7 +9,7 @@ from edgerun.decode import governor
 from edgerun.decode.ngram import NgramDrafter
 from edgerun.runtime.engine import Context
 
-DEFAULT_P_MIN = 0.0  # draft's early stop; governor-chosen k already bounds waste
+DEFAULT_P_MIN = 0.2  # stop drafting when the draft gives its own pick under 20%: likely rejected
 
 
 @dataclass(frozen=True)
