@@ -108,8 +108,13 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def cmd_chat(args) -> int:
-    # The Textual app comes with its own issue; until then chat is the plain REPL.
-    return _plain_chat(args)
+    if args.plain or not sys.stdin.isatty() or not sys.stdout.isatty():
+        return _plain_chat(args)
+    from edgerun.tui.app import EdgerunApp
+
+    draft = None if args.draft == defaults.DRAFT else args.draft  # the app's saved choice otherwise
+    EdgerunApp(args.model, draft=draft, engine=_engine_settings(args)).run()
+    return 0
 
 
 def _plain_chat(args) -> int:

@@ -44,3 +44,7 @@ class EngineError(EdgerunError):
 
 class VocabMismatch(ConfigError):
     """A draft model whose vocabulary differs from the target's."""
+
+
+class HistoryError(EdgerunError):
+    """The conversation history database cannot be opened, read or written."""

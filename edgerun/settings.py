@@ -46,5 +46,8 @@ class EngineSettings:
 
 MAX_TOKENS = 512
 DRAFT = "auto"  # the catalog's recommended draft, where it pays
+SPEC_K = "auto"  # draft length: the governor decides
+NGRAM = False  # prompt-lookup drafting
+SHOW_DRAFT_MARKS = False  # the chat app highlights accepted draft tokens (F5 toggles)
 DEFAULT_SYSTEM_PROMPT: str | None = None  # None: the model's template decides
 HUB_TIMEOUT_S = 5.0  # how long to wait for the hub before falling back to the mirror

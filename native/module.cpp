@@ -43,6 +43,8 @@ py::tuple py_verify(FloatArray rows, const std::vector<int32_t>& drafts, py::obj
     std::vector<std::vector<float>> q;
     if (!q_obj.is_none()) {
         auto qa = q_obj.cast<FloatArray>();
+        if (qa.ndim() != 2 || qa.shape(1) != rows.shape(1))
+            throw std::invalid_argument("q must be (len(drafts), n_vocab)");
         for (py::ssize_t i = 0; i < qa.shape(0); ++i) q.emplace_back(qa.data(i, 0), qa.data(i, 0) + n_vocab);
     }
     const Verdict v = verify(ptrs, n_vocab, drafts, q, history, p, rule_of(rule), rng);

