@@ -205,8 +205,8 @@ class EdgerunApp(App):
         self.query_one("#transcript", VerticalScroll).scroll_end(animate=False)
 
     async def on_reply_done(self, event: ReplyDone) -> None:
-        self.generating = False
         await self.reply_entry.finish(event.status)
+        self.generating = False
         self.refresh_stats()
         if event.error:
             self.notify(event.error, title="generation failed", severity="error")

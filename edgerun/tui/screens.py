@@ -168,13 +168,13 @@ class SettingsScreen(ModalScreen):
                                       ("draft k (auto or a number)", "spec_k", p.spec_k)):
                 with Horizontal(classes="field"):
                     yield Label(label)
-                    yield Input(str(value), id=key)
+                    yield Input(str(value), id=key, compact=True)
             with Horizontal(classes="field"):
                 yield Label("system prompt")
-                yield Input(p.system_prompt or "", id="system", placeholder="(the model's default)")
+                yield Input(p.system_prompt or "", id="system", placeholder="(the model's default)", compact=True)
             with Horizontal(classes="field"):
                 yield Label("draft")
-                yield Select(drafts, value=p.draft if p.draft in dict(drafts) else "auto", id="draft", allow_blank=False)
+                yield Select(drafts, value=p.draft if p.draft in dict(drafts) else "auto", id="draft", allow_blank=False, compact=True)
             with Horizontal(classes="field"):
                 yield Label("n-gram drafting")
                 yield Switch(p.ngram, id="ngram")

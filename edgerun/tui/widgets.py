@@ -99,10 +99,10 @@ class Entry(Vertical):
             self._render_marks()
 
     async def finish(self, status: str) -> None:
+        self.status = status
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
-        self.status = status
         self.query_one(".role", Static).update(self._label())
 
     def show_marks(self, on: bool) -> None:

@@ -1,0 +1,227 @@
+"""The chat app driven by Textual's Pilot on the real 0.5B model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from edgerun import user_settings
+from edgerun.history import History
+from edgerun.settings import EngineSettings
+from edgerun.tui.app import EdgerunApp
+from edgerun.tui.widgets import Entry, StatsPanel
+
+pytestmark = pytest.mark.slow
+
+DRAFT = "qwen2.5-coder-0.5b"
+ENGINE = EngineSettings(n_ctx=2048, gpu_layers="0")
+
+
+@pytest.fixture(autouse=True)
+def own_state(tmp_path, monkeypatch, small_model):
+    """Conversations and settings in a temp dir; models still from the shared cache."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    prefs = user_settings.UserSettings().replace(temperature=0.0, max_tokens=40)
+    user_settings.save(prefs)
+
+
+async def wait_for(pilot, condition, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await pilot.pause(0.05)
+
+
+async def send(pilot, app, text, *, expect_reply=True):
+    app.query_one("#input").text = text
+    app.query_one("#input").focus()
+    await pilot.press("enter")
+    if expect_reply:
+        await wait_for(pilot, lambda: app.generating or (replies(app) and replies(app)[-1].status != "streaming"))
+
+
+def replies(app):
+    return list(app.query(Entry).filter(".assistant"))
+
+
+def notes(app):
+    return " ".join(str(n.message) for n in app._notifications)
+
+
+async def test_send_a_message_and_see_the_reply_stream_with_stats():
+    prefs, _ = user_settings.load()
+    user_settings.save(prefs.replace(max_tokens=200))
+    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.session is not None)
+        await send(pilot, app, "Count from 1 to 50, separated by commas.")
+        seen_partial = False
+        while app.generating:
+            if replies(app) and replies(app)[-1].text and app.generating:
+                seen_partial = True  # text showed before the reply was finished
+            await pilot.pause(0.02)
+        reply = replies(app)[-1]
+        assert reply.text.strip() and reply.status == "done", (reply.text, reply.status, notes(app))
+        assert seen_partial
+        assert app.stats.decode_tok_s > 0
+        speed = str(app.query_one("#speed").render())
+        assert "tok/s" in speed and " 0.0 tok/s" not in speed
+        conv = app.session.conversation_id
+    with History() as h:
+        roles = [(m.role, m.status) for m in h.messages(conv)]
+    assert roles == [("user", "done"), ("assistant", "done")]
+
+
+async def test_escape_stops_the_reply_and_keeps_it_marked():
+    prefs, _ = user_settings.load()
+    user_settings.save(prefs.replace(max_tokens=400))
+    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.session is not None)
+        await send(pilot, app, "Write a very long story about a lighthouse keeper.")
+        await wait_for(pilot, lambda: app.stats is not None and app.stats.generated_tokens >= 5)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.generating, timeout=30)
+        reply = replies(app)[-1]
+        assert reply.status == "stopped" and "(stopped)" in str(reply.query_one(".role").render())
+        assert 5 <= app.stats.generated_tokens < 400
+        conv = app.session.conversation_id
+    with History() as h:
+        assert h.messages(conv)[-1].status == "stopped"
+
+
+async def test_resume_a_saved_conversation_after_restart():
+    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.session is not None)
+        await send(pilot, app, "My name is Ada. Reply with just OK.")
+        await wait_for(pilot, lambda: not app.generating)
+    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.session is not None)
+        await pilot.press("f4")
+        await pilot.pause(0.2)
+        await pilot.click("#resume")
+        await wait_for(pilot, lambda: len(app.query(Entry)) == 2)
+        await send(pilot, app, "What is my name? Answer with one word.")
+        await wait_for(pilot, lambda: not app.generating)
+        assert "Ada" in replies(app)[-1].text
+
+
+KILLED_APP = textwrap.dedent("""
+    import asyncio, os, signal, time
+    from edgerun.settings import EngineSettings
+    from edgerun.tui.app import EdgerunApp
+
+    async def main():
+        app = EdgerunApp("qwen2.5-coder-0.5b", draft="none", engine=EngineSettings(n_ctx=2048, gpu_layers="0"))
+        async with app.run_test(size=(100, 30)) as pilot:
+            while app.session is None:
+                await pilot.pause(0.05)
+            app.query_one("#input").text = "Write a long poem about the sea."
+            app.query_one("#input").focus()
+            await pilot.press("enter")
+            while app.stats is None or app.stats.generated_tokens < 20:
+                await pilot.pause(0.02)
+            time.sleep(0.3)  # let the streamed text reach the database
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(main())
+""")
+
+
+def test_a_kill_during_a_reply_leaves_the_partial_reply_in_the_database():
+    prefs, _ = user_settings.load()
+    user_settings.save(prefs.replace(max_tokens=400))
+    proc = subprocess.run([sys.executable, "-c", KILLED_APP], capture_output=True, timeout=300, env=os.environ)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    with History() as h:
+        conv = h.list_conversations()[0]
+        assert h.recover() == 1
+        reply = h.messages(conv.id)[-1]
+    assert reply.role == "assistant" and reply.status == "interrupted"
+    assert len(reply.content) > 20
+
+
+@pytest.mark.parametrize("model,draft,needle", [
+    ("no-such-model", "none", "unknown model"),
+    ("/nonexistent/model.gguf", "none", "no such file"),
+    (DRAFT, "gemma-3-270m", "vocabulary"),
+])
+async def test_bad_input_is_a_notification_and_the_app_stays_up(model, draft, needle, other_vocab_model):
+    app = EdgerunApp(model, draft=draft, engine=ENGINE)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: needle in notes(app), timeout=60)
+        assert app.session is None and app.is_running
+        await send(pilot, app, "hello?", expect_reply=False)  # a hint instead of a crash
+        await pilot.pause(0.1)
+        assert "no model is loaded" in notes(app)
+        await pilot.press("f1")
+        await pilot.pause(0.1)
+        assert app.screen.__class__.__name__ == "HelpScreen"
+
+
+# ---- snapshots -------------------------------------------------------------------------------
+
+def _still(app):
+    """Make the screen deterministic: no live memory numbers."""
+    app.live = False
+    return app
+
+
+async def _loaded(pilot):
+    await wait_for(pilot, lambda: pilot.app.session is not None)
+    pilot.app.refresh_stats()
+    await pilot.pause(0.2)
+
+
+def test_snapshot_main_screen(snap_compare):
+    app = _still(EdgerunApp(DRAFT, draft="none", engine=ENGINE, live=False))
+    assert snap_compare(app, terminal_size=(120, 36), run_before=_loaded)
+
+
+def test_snapshot_model_screen(snap_compare):
+    async def open_models(pilot):
+        await _loaded(pilot)
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: len(getattr(pilot.app.screen, "compatible", {})) >= 2)
+        await pilot.pause(0.3)
+
+    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE, live=False)
+    assert snap_compare(app, terminal_size=(120, 36), run_before=open_models)
+
+
+def test_snapshot_settings_screen(snap_compare):
+    async def open_settings(pilot):
+        await _loaded(pilot)
+        await pilot.press("f3")
+        await pilot.pause(0.3)
+
+    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE, live=False)
+    assert snap_compare(app, terminal_size=(120, 36), run_before=open_settings)
+
+
+async def test_settings_are_validated_and_saved():
+    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_for(pilot, lambda: app.session is not None)
+        await pilot.press("f3")
+        await pilot.pause(0.2)
+        app.screen.query_one("#temperature").value = "hot"
+        await pilot.click("#save")
+        await pilot.pause(0.1)
+        assert "temperature" in notes(app) and app.screen.__class__.__name__ == "SettingsScreen"
+        app.screen.query_one("#temperature").value = "0.3"
+        app.screen.query_one("#top_k").value = "12"
+        await pilot.click("#save")
+        await pilot.pause(0.1)
+        assert app.screen.__class__.__name__ != "SettingsScreen"
+    saved, warnings = user_settings.load()
+    assert (saved.temperature, saved.top_k, warnings) == (0.3, 12, [])
