@@ -4,6 +4,7 @@ through messages; the UI thread never waits on a model."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from edgerun.tui.widgets import ChatInput, Entry, StatsPanel
 from edgerun import user_settings
 
 REFRESH_S = 0.25  # stats panel: four times a second
+TEXT_EVERY_S = 0.25  # transcript: batch tokens so the UI thread takes little CPU from llama.cpp
 VRAM_EVERY = 8    # nvidia-smi is a subprocess: ask it every 8th refresh only
 
 
@@ -52,9 +54,11 @@ class ModelFailed(Message):
         super().__init__()
 
 
-class Token(Message):
-    def __init__(self, text: str, from_draft: bool) -> None:
-        self.text, self.from_draft = text, from_draft
+class Tokens(Message):
+    """Text that arrived since the last message, as (text, from_draft) pieces."""
+
+    def __init__(self, pieces: list[tuple[str, bool]]) -> None:
+        self.pieces = pieces
         super().__init__()
 
 
@@ -106,7 +110,9 @@ class EdgerunApp(App):
             yield VerticalScroll(id="transcript")
             yield StatsPanel(id="stats")
         yield Static("", id="status")
-        yield ChatInput(id="input")
+        box = ChatInput(id="input")
+        box.cursor_blink = self.live  # a still cursor for screenshots
+        yield box
         yield Footer()
 
     def on_mount(self) -> None:
@@ -181,7 +187,7 @@ class EdgerunApp(App):
         self.reply_entry = Entry("assistant", status="streaming")
         self.reply_entry.show_marks(self.prefs.show_draft_marks)
         await transcript.mount(self.reply_entry)
-        transcript.scroll_end(animate=False)
+        transcript.anchor()  # follow the reply as it grows, until the user scrolls up
         self.generating = True
         self.cancel = threading.Event()
         self.stats = ReplyStats()
@@ -192,17 +198,23 @@ class EdgerunApp(App):
         try:
             records = self.session.reply(text, self.prefs.sampling, max_tokens=self.prefs.max_tokens,
                                          cancel=cancel, stats=stats)
+            pending: list[tuple[str, bool]] = []
+            last_post = time.monotonic()
             for record in records:
                 if isinstance(record, Step) and record.text:
-                    self.post_message(Token(record.text, record.from_draft))
+                    pending.append((record.text, record.from_draft))
+                    if time.monotonic() - last_post >= TEXT_EVERY_S:
+                        self.post_message(Tokens(pending))
+                        pending, last_post = [], time.monotonic()
+            if pending:
+                self.post_message(Tokens(pending))
         except EdgerunError as exc:
             self.post_message(ReplyDone("interrupted", str(exc)))
             return
         self.post_message(ReplyDone("stopped" if stats.finish == "cancelled" else "done"))
 
-    async def on_token(self, event: Token) -> None:
-        await self.reply_entry.append(event.text, event.from_draft)
-        self.query_one("#transcript", VerticalScroll).scroll_end(animate=False)
+    async def on_tokens(self, event: Tokens) -> None:
+        await self.reply_entry.append(event.pieces)
 
     async def on_reply_done(self, event: ReplyDone) -> None:
         await self.reply_entry.finish(event.status)

@@ -90,11 +90,11 @@ class Entry(Vertical):
         suffix = {"stopped": " (stopped)", "interrupted": " (interrupted)", "streaming": " …"}.get(self.status, "")
         return name + suffix
 
-    async def append(self, text: str, from_draft: bool) -> None:
-        self.chunks.append((text, from_draft))
+    async def append(self, pieces: list[tuple[str, bool]]) -> None:
+        self.chunks.extend(pieces)
         if self._stream is None:
             self._stream = Markdown.get_stream(self.query_one(Markdown))
-        await self._stream.write(text)
+        await self._stream.write("".join(text for text, _ in pieces))
         if self.has_class("marks"):
             self._render_marks()
 
@@ -134,6 +134,13 @@ class StatsPanel(Vertical):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.rates: deque[float] = deque([0.0], maxlen=60)
+        self._shown: dict[str, str] = {}
+
+    def _set(self, widget_id: str, text: str) -> None:
+        # an update re-lays out the panel: skip it when nothing changed (CPU is llama.cpp's)
+        if self._shown.get(widget_id) != text:
+            self._shown[widget_id] = text
+            self.query_one(f"#{widget_id}", Static).update(text)
 
     def compose(self):
         yield Static("tokens/s", classes="title")
@@ -149,14 +156,14 @@ class StatsPanel(Vertical):
         if live and s.generated_tokens > 1:
             self.rates.append(s.decode_tok_s)
             self.query_one("#rate-spark", Sparkline).data = list(self.rates)
-        self.query_one("#speed", Static).update(
-            f"decode  {s.decode_tok_s:6.1f} tok/s\nTTFT    {s.ttft_s * 1000:6.0f} ms\n"
+        self._set(
+            "speed", f"decode  {s.decode_tok_s:6.1f} tok/s\nTTFT    {s.ttft_s * 1000:6.0f} ms\n"
             f"TPOT    {s.tpot_s * 1000:6.1f} ms\nprompt  {s.prompt_tok_s:6.0f} tok/s\ntokens  {s.generated_tokens:6d}"
         )
         pct = n_ctx_used / n_ctx if n_ctx else 0.0
-        self.query_one("#context", Static).update(f"context {n_ctx_used}/{n_ctx} ({pct:.0%})")
+        self._set("context", f"context {n_ctx_used}/{n_ctx} ({pct:.0%})")
         mem = f"RSS     {_mib(rss)}\nfree    {_mib(free_ram)}"
-        self.query_one("#memory", Static).update(mem + (f"\nVRAM    {vram}" if vram else ""))
+        self._set("memory", mem + (f"\nVRAM    {vram}" if vram else ""))
         if s.drafted:
             hist = " ".join(f"{k}:{v}" for k, v in sorted(s.accepted_hist.items()))
             spec = (f"accepted {s.acceptance_rate:.0%} ({s.accepted}/{s.drafted})\nmean run {s.mean_accepted_len:.2f}"
@@ -165,4 +172,4 @@ class StatsPanel(Vertical):
             spec = "speculation: off" if not s.governor or s.governor == "no drafter" else ""
         if s.governor and s.governor != "no drafter":
             spec += f"\ngovernor: {s.governor}"
-        self.query_one("#spec", Static).update(spec.strip())
+        self._set("spec", spec.strip())
