@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -191,7 +193,8 @@ def test_choose_respects_caps_and_only_drafts_when_it_pays(s, available):
         return
     rates = {j: rate(s, j) for j in range(1, cap + 1)}
     best = max((r for r in rates.values() if r is not None), default=None)
-    probe = s.plain_rounds >= s.probe_every
+    perfect = [rate(replace(s, alpha=1.0), j) or 0.0 for j in range(1, cap + 1)]
+    probe = s.plain_rounds >= s.probe_every and max(perfect) > plain  # never probe a hopeless draft
     if best is None or best <= plain:
         assert k == (1 if probe else 0)
     else:
@@ -273,3 +276,11 @@ def test_session_recovers_when_the_draft_turns_good():
         s, _, _ = play(s, k, CHEAP, 0.95, gen, why)
         ks.append(k)
     assert np.mean(np.array(ks[-100:]) > 0) > 0.95
+
+
+def test_a_draft_that_cannot_pay_even_at_full_acceptance_is_never_probed_again():
+    # draft step as costly as a target step, batched verify no cheaper than sequential steps:
+    # even with every draft accepted, k drafts cost more than k plain steps
+    s = GovernorState(alpha=0.99, draft_step_s=0.05, verify_s=((1, 0.05), (3, 0.15)), plain_rounds=10_000)
+    k, why = choose(s)
+    assert k == 0 and "cannot beat plain" in why

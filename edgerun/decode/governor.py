@@ -75,11 +75,20 @@ def choose(state: GovernorState, available: int | None = None) -> tuple[int, str
         r = rate(state, k)
         if r is not None and r > best:
             best_k, best = k, r
+    if best_k == 0 and hopeless(state, k_cap, plain):
+        return 0, f"draft off: even 100% acceptance cannot beat plain {plain:.1f} tok/s here"
     if best_k == 0 and state.plain_rounds >= state.probe_every:
         return 1, f"re-checking the draft (plain wins: {plain:.1f} tok/s)"
     if best_k == 0:
         return 0, f"draft off: plain {plain:.1f} tok/s beats any k (acceptance {state.alpha:.0%})"
     return best_k, f"k={best_k}: {best:.1f} vs plain {plain:.1f} tok/s expected (acceptance {state.alpha:.0%})"
+
+
+def hopeless(state: GovernorState, k_cap: int, plain: float) -> bool:
+    """True when the measured costs alone rule drafting out: with every draft accepted, no k
+    beats plain decoding. Then re-checking acceptance cannot help, so the governor stops probing."""
+    perfect = replace(state, alpha=1.0)
+    return all((rate(perfect, k) or 0.0) <= plain for k in range(1, k_cap + 1))
 
 
 def _ema(old: float | None, new: float) -> float:

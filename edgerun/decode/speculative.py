@@ -3,7 +3,8 @@ and keeping both KV caches' bookkeeping equal to what llama.cpp holds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from edgerun.decode import governor
 from edgerun.decode.ngram import NgramDrafter
@@ -19,6 +20,8 @@ class SpecConfig:
     k: int | None = None          # fixed draft length; None lets the governor choose
     p_min: float = DEFAULT_P_MIN
     rule: str = "rejection"       # or "match": llama.cpp server's sample-and-compare
+    # what the governor learned, kept across replies of a session (costs do not change per reply)
+    governors: dict = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,11 @@ class Speculator:
         self.ngram = NgramDrafter() if cfg.ngram else None
         if self.ngram:
             self.ngram.reset(prompt)
-        self.gov = {"model": governor.GovernorState(), "ngram": governor.GovernorState(k_max=governor.K_MAX)}
+        self.gov = cfg.governors
+        self.gov.setdefault("model", governor.GovernorState())
+        self.gov.setdefault("ngram", governor.GovernorState())
         self._pending: tuple[str, int, str] = ("none", 0, "")
+        self._catch_up_s = 0.0
 
     def _choose(self, name: str, available: int | None) -> tuple[int, str]:
         if self.cfg.k is not None:
@@ -62,8 +68,10 @@ class Speculator:
             keep += 1
         draft.trim(min(keep, len(committed) - 1))
         rest = committed[draft.n_past :]
+        start = time.perf_counter()
         if len(rest) > 1:
             draft.eval(rest[:-1])  # a long catch-up (the prompt) goes in n_batch chunks
+        self._catch_up_s = time.perf_counter() - start  # drafting's cost too: the governor counts it
         return [last], draft.n_past
 
     def round_args(self, last: int) -> dict:
@@ -89,6 +97,8 @@ class Speculator:
 
     def after(self, last: int, result: dict) -> Round:
         """Record what the round left in each KV cache and teach the governor."""
+        result = result | {"draft_s": result["draft_s"] + self._catch_up_s}
+        self._catch_up_s = 0.0
         drafts, accepted = result["drafts"], result["accepted"]
         committed_before = self.target.tokens + [last]
         self.target.tokens = committed_before + drafts[:accepted]
