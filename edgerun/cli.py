@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from edgerun import settings as defaults
+from edgerun.bench import BenchSettings
 from edgerun.errors import EdgerunError
 
 
@@ -40,6 +41,42 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=defaults.DEFAULT_SYSTEM_PROMPT, help="system prompt")
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas, not '{text}'")
+    return values
+
+
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    b, e = BenchSettings(), defaults.EngineSettings()
+    p.add_argument("-m", "--model", default=None, help="configuration A: catalog name, hf:// URI or .gguf path")
+    p.add_argument("--vs", default=None, help="configuration B's model (default: A's model)")
+    p.add_argument("--draft", default=b.draft, help=f"A's draft model: a name or path, auto, none (default {b.draft})")
+    p.add_argument("--vs-draft", default=b.draft, help=f"B's draft model (default {b.draft})")
+    p.add_argument("--ngram", action="store_true", help="prompt-lookup drafting for A")
+    p.add_argument("--vs-ngram", action="store_true", help="prompt-lookup drafting for B")
+    p.add_argument("--spec-k", default="auto", help="draft tokens per round, both sides: auto or a number")
+    p.add_argument("--prompts", default=b.prompts, help=f"code, chat, all, or a FILE: one prompt per paragraph,"
+                   f" or a .toml like the shipped one (default {b.prompts})")
+    p.add_argument("-n", "--max-tokens", type=int, default=b.max_tokens,
+                   help=f"tokens per reply (default {b.max_tokens})")
+    p.add_argument("--temp", type=float, default=b.temperature,
+                   help=f"temperature (default {b.temperature}: greedy, so outputs compare token for token)")
+    p.add_argument("--seed", type=int, default=b.seed, help=f"RNG seed (default {b.seed})")
+    p.add_argument("--repeat", type=int, default=b.repeat,
+                   help=f"runs per prompt and configuration (default {b.repeat})")
+    p.add_argument("--n-batch", type=_int_list, default=[], metavar="N[,N...]",
+                   help="also measure the longest prompt's TTFT for each n_batch, e.g. 128,512")
+    p.add_argument("--ctx", type=int, default=e.n_ctx, help=f"context size in tokens (default {e.n_ctx})")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG of latencies and tok/s here")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgerun", description="Local LLM runner on llama.cpp.")
     parser.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log on stderr")
@@ -56,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p, positional=True)
     _add_sampling_args(p)
     p.add_argument("--plain", action="store_true", help="a plain streaming REPL instead of the app")
+
+    p = sub.add_parser("bench", help="A/B benchmark of two configurations: speed and output agreement")
+    _add_bench_args(p)
 
     p = sub.add_parser("pull", help="download a model (prints its path)")
     p.add_argument("model", nargs="?", help="catalog name, hf://org/repo/file.gguf, or a path")

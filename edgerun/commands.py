@@ -207,3 +207,88 @@ def cmd_doctor(args) -> int:
 
     print(doctor.report(args.model or catalog.load().default_target))
     return 0
+
+
+def cmd_bench(args) -> int:
+    from edgerun import bench
+
+    model, k = _model_spec(args), _spec_k(args)
+    configs = (bench.BenchConfig("A", model, args.draft, args.ngram, k),
+               bench.BenchConfig("B", args.vs or model, args.vs_draft, args.vs_ngram, k))
+    engine = defaults.EngineSettings().replace(n_ctx=args.ctx, n_threads=args.threads)
+    sampling = defaults.SamplerSettings().replace(temperature=args.temp, seed=args.seed)
+    prompts = bench.load_prompts(args.prompts)
+    cancel = threading.Event()
+    with _sigint_sets(cancel):  # Ctrl-C ends the current run; what finished is reported
+        result = bench.run(configs, prompts, engine, sampling, max_tokens=args.max_tokens,
+                           repeat=args.repeat, n_batches=args.n_batch, cancel=cancel, say=_err)
+    doc = result.as_json()
+    print(bench_table(doc), flush=True)
+    if args.json:
+        _write_json(args.json, doc)
+    if args.plot and result.runs:
+        bench.plot(result, args.plot)
+    return 130 if result.partial else 0
+
+
+def _align(rows: list[list[str]]) -> list[str]:
+    """Plain-text columns: the first left-aligned, the rest right-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            for r in rows]
+
+
+def _num(value, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def _ratio(r: dict | None) -> str:
+    return "-" if r is None else f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
+
+
+def bench_table(doc: dict) -> str:
+    """The terminal report of a bench, made from its JSON document."""
+    s = doc["settings"]
+    lines = [f"{lab}: {c['model']} (draft {c['draft']}{', ngram' if c['ngram'] else ''})"
+             for lab, c in doc["configs"].items()]
+    lines.append(f"{len(s['prompts'])} prompts x {s['repeat']} repeats, {s['max_tokens']} tokens,"
+                 f" temperature {s['temperature']}, seed {s['seed']}; {s['runs_done']}/{s['runs_planned']} runs")
+    lines += ["", *_align(_bench_config_rows(doc)), "", *_align(_bench_prompt_rows(doc))]
+    labels = list(doc["configs"])
+    if doc["n_batch_ttft"]:
+        rows = [["n_batch", *(f"{lab} TTFT ms" for lab in labels)]]
+        rows += [[nb, *(_num(t[lab] and t[lab]["median"], 1000) for lab in labels)]
+                 for nb, t in doc["n_batch_ttft"].items()]
+        lines += ["", *_align(rows)]
+    if doc["warnings"]:
+        lines += ["", *(f"warning: {w}" for w in doc["warnings"])]
+    if doc["partial"]:
+        lines.append("partial: stopped early; the numbers cover the runs that finished")
+    return "\n".join(lines)
+
+
+def _bench_config_rows(doc: dict) -> list[list[str]]:
+    cfg, ratios = doc["configs"], doc["ratios"]
+    labels = list(cfg)
+    rows = [["", *labels, "B/A (min-max)"]]
+    for name, key, scale in (("TTFT ms", "ttft_s", 1000), ("TPOT ms", "tpot_s", 1000),
+                             ("decode tok/s", "decode_tok_s", 1), ("prompt tok/s", "prompt_tok_s", 1)):
+        rows.append([name, *(_num(cfg[lab][key], scale) for lab in labels), _ratio(ratios.get(key))])
+    for q in ("p50", "p90", "p99"):
+        rows.append([f"latency {q} ms", *(_num(cfg[lab]["latency_s"][q], 1000) for lab in labels), ""])
+    rows.append(["RSS added MiB", *(_num(cfg[lab]["rss_bytes"], 2**-20, 0) for lab in labels), ""])
+    if any(cfg[lab]["acceptance_rate"] for lab in labels):
+        rows.append(["acceptance %", *(_num(cfg[lab]["acceptance_rate"], 100, 0) for lab in labels), ""])
+        rows.append(["mean accepted", *(_num(cfg[lab]["mean_accepted_len"], 1, 2) for lab in labels), ""])
+    return rows
+
+
+def _bench_prompt_rows(doc: dict) -> list[list[str]]:
+    labels = list(doc["configs"])
+    rows = [["prompt", *(f"{lab} tok/s" for lab in labels), "agreement", "diverges at"]]
+    for name, p in doc["per_prompt"].items():
+        a = doc["agreement"].get(name) or {}
+        div = a.get("first_divergence")
+        rows.append([name, *(_num(p[lab]["decode_tok_s"]) for lab in labels), _num(a.get("rate"), 1, 2),
+                     "-" if div is None else str(div)])
+    return rows

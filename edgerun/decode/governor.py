@@ -95,12 +95,23 @@ def _ema(old: float | None, new: float) -> float:
     return new if old is None else (1 - EMA) * old + EMA * new
 
 
+def _cost_ema(old: float | None, new: float) -> float:
+    """Estimate of a duration. Noise in timings is one-sided (a stall, another process, a cold
+    first call only ever add time), so a faster sample moves the estimate halfway at once and a
+    slower one moves it by EMA, capped at twice the estimate."""
+    if old is None:
+        return new
+    if new < old:
+        return (old + new) / 2
+    return _ema(old, min(new, 2 * old))
+
+
 def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
            decided: str) -> GovernorState:
     """Fold one round's measurements into the state."""
     table = dict(state.verify_s)
     n = drafted + 1
-    table[n] = _ema(table.get(n), verify_s)
+    table[n] = _cost_ema(table.get(n), verify_s)
     alpha, accepted_ema, trials_ema = state.alpha, state.accepted_ema, state.trials_ema
     draft_step = state.draft_step_s
     if drafted > 0:
@@ -112,7 +123,7 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
         accepted_ema = _ema(accepted_ema, accepted)
         trials_ema = _ema(trials_ema, accepted + failures)
         alpha = accepted_ema / trials_ema
-        draft_step = _ema(draft_step, draft_s / drafted)
+        draft_step = _cost_ema(draft_step, draft_s / drafted)
     if k == 0:
         plain_rounds, probe_every = state.plain_rounds + 1, state.probe_every
     else:
