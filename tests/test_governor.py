@@ -284,3 +284,14 @@ def test_a_draft_that_cannot_pay_even_at_full_acceptance_is_never_probed_again()
     s = GovernorState(alpha=0.99, draft_step_s=0.05, verify_s=((1, 0.05), (3, 0.15)), plain_rounds=10_000)
     k, why = choose(s)
     assert k == 0 and "cannot beat plain" in why
+
+
+def test_a_new_reply_keeps_costs_and_forgets_acceptance():
+    from edgerun.decode.governor import new_reply
+
+    s = GovernorState(alpha=0.1, accepted_ema=0.1, trials_ema=1.0, draft_step_s=0.01,
+                      verify_s=((1, 0.04), (3, 0.06)), plain_rounds=77, probe_every=128)
+    fresh = new_reply(s)
+    assert (fresh.draft_step_s, fresh.verify_s) == (s.draft_step_s, s.verify_s)
+    assert fresh.alpha == GovernorState().alpha and fresh.plain_rounds == 0
+    assert fresh.probe_every == GovernorState().probe_every

@@ -84,6 +84,13 @@ def choose(state: GovernorState, available: int | None = None) -> tuple[int, str
     return best_k, f"k={best_k}: {best:.1f} vs plain {plain:.1f} tok/s expected (acceptance {state.alpha:.0%})"
 
 
+def new_reply(state: GovernorState) -> GovernorState:
+    """Carry the measured costs into a new reply, but not the acceptance: how often a draft is
+    right depends on the text (a code edit repeats its prompt, a story does not)."""
+    fresh = GovernorState(k_max=state.k_max)
+    return replace(fresh, draft_step_s=state.draft_step_s, verify_s=state.verify_s)
+
+
 def hopeless(state: GovernorState, k_cap: int, plain: float) -> bool:
     """True when the measured costs alone rule drafting out: with every draft accepted, no k
     beats plain decoding. Then re-checking acceptance cannot help, so the governor stops probing."""

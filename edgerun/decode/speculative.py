@@ -20,7 +20,7 @@ class SpecConfig:
     k: int | None = None          # fixed draft length; None lets the governor choose
     p_min: float = DEFAULT_P_MIN
     rule: str = "rejection"       # or "match": llama.cpp server's sample-and-compare
-    # what the governor learned, kept across replies of a session (costs do not change per reply)
+    # what the governor measured, kept across replies of a session (costs do not change per reply)
     governors: dict = field(default_factory=dict, compare=False)
 
 
@@ -46,8 +46,8 @@ class Speculator:
         if self.ngram:
             self.ngram.reset(prompt)
         self.gov = cfg.governors
-        self.gov.setdefault("model", governor.GovernorState())
-        self.gov.setdefault("ngram", governor.GovernorState())
+        for name in ("model", "ngram"):
+            self.gov[name] = governor.new_reply(self.gov.get(name, governor.GovernorState()))
         self._pending: tuple[str, int, str] = ("none", 0, "")
         self._catch_up_s = 0.0
 
