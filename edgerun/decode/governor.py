@@ -81,6 +81,10 @@ def choose(state: GovernorState, available: int | None = None) -> tuple[int, str
         return 1, f"re-checking the draft (plain wins: {plain:.1f} tok/s)"
     if best_k == 0:
         return 0, f"draft off: plain {plain:.1f} tok/s beats any k (acceptance {state.alpha:.0%})"
+    measured = dict(state.verify_s)
+    if best_k < k_cap and best_k + 2 not in measured:
+        # the cost of a longer draft is only extrapolated so far: measure it once
+        return best_k + 1, f"trying k={best_k + 1} (k={best_k} expected {best:.1f} vs plain {plain:.1f} tok/s)"
     return best_k, f"k={best_k}: {best:.1f} vs plain {plain:.1f} tok/s expected (acceptance {state.alpha:.0%})"
 
 
