@@ -248,9 +248,10 @@ def _ratio(r: dict | None) -> str:
 
 def bench_table(doc: dict) -> str:
     """The terminal report of a bench, made from its JSON document."""
+    from edgerun import bench
+
     s = doc["settings"]
-    lines = [f"{lab}: {c['model']} (draft {c['draft']}{', ngram' if c['ngram'] else ''})"
-             for lab, c in doc["configs"].items()]
+    lines = [f"{lab}: {bench.describe(c)}" for lab, c in doc["configs"].items()]
     lines.append(f"{len(s['prompts'])} prompts x {s['repeat']} repeats, {s['max_tokens']} tokens,"
                  f" temperature {s['temperature']}, seed {s['seed']}; {s['runs_done']}/{s['runs_planned']} runs")
     lines += ["", *_align(_bench_config_rows(doc)), "", *_align(_bench_prompt_rows(doc))]

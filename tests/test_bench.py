@@ -1,0 +1,238 @@
+"""`edgerun bench`: the pure statistics, the JSON document, the table and the plot without a model;
+then A/B runs on the real small models through the command a user runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from edgerun import bench
+from edgerun.commands import bench_table
+from edgerun.errors import ConfigError
+
+EDGERUN = [sys.executable, "-m", "edgerun.cli"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TOP_KEYS = {"schema", "partial", "settings", "configs", "per_prompt", "ratios", "agreement", "warnings",
+            "n_batch_ttft", "peak_rss_bytes"}
+CONFIG_KEYS = {"model", "path", "draft", "ngram", "spec_k", "runs", "ttft_s", "tpot_s", "decode_tok_s",
+               "prompt_tok_s", "latency_s", "rss_bytes", "acceptance_rate", "mean_accepted_len"}
+
+
+# -- pure statistics ---------------------------------------------------------------------------
+
+
+@given(st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=50), st.sampled_from([0, 50, 90, 99, 100]))
+def test_percentile_matches_numpy(values, q):
+    assert bench.percentile(values, q) == pytest.approx(float(np.percentile(values, q)), abs=1e-9)
+
+
+def test_percentile_edges():
+    assert bench.percentile([], 50) == 0.0
+    assert bench.percentile([3.0], 99) == 3.0
+    assert bench.percentile([1, 2, 3, 4], 50) == 2.5
+
+
+def test_gaps_are_differences_of_token_times():
+    assert bench.gaps([0.5, 0.6, 0.8]) == pytest.approx([0.1, 0.2])
+    assert bench.gaps([0.5]) == [] and bench.gaps([]) == []
+
+
+def test_agreement_and_first_divergence():
+    assert bench.agreement([1, 2, 3], [1, 2, 3]) == 1.0 and bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert bench.agreement([1, 2, 3, 4], [1, 9, 3, 4]) == 0.75 and bench.first_divergence([1, 2, 3, 4], [1, 9, 3, 4]) == 1
+    assert bench.agreement([1, 2], [1, 2, 3, 4]) == 0.5 and bench.first_divergence([1, 2], [1, 2, 3, 4]) == 2
+    assert bench.agreement([], []) == 1.0 and bench.first_divergence([], []) is None
+    assert bench.agreement([], [5]) == 0.0 and bench.first_divergence([], [5]) == 0
+
+
+def test_ratio_spread_is_b_over_a_per_repeat():
+    assert bench.ratio_spread([10, 20, 40], [5, 20, 80]) == {"median": 1.0, "min": 0.5, "max": 2.0}
+    assert bench.ratio_spread([0, 10], [3, 15]) == {"median": 1.5, "min": 1.5, "max": 1.5}
+    assert bench.ratio_spread([], []) is None
+
+
+def test_schedule_interleaves_configurations():
+    assert bench.schedule(2, ["A", "B"], 2) == [
+        (0, 0, "A"), (0, 0, "B"), (0, 1, "A"), (0, 1, "B"),
+        (1, 0, "A"), (1, 0, "B"), (1, 1, "A"), (1, 1, "B"),
+    ]
+
+
+def test_bench_flags():
+    from edgerun.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--vs", "x.gguf", "--n-batch", "128,512"])
+    assert args.n_batch == [128, 512] and args.vs == "x.gguf"
+    assert (args.temp, args.seed, args.draft) == (0.0, 0, "none")  # greedy, seeded, no automatic draft
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--n-batch", "0,abc"])
+
+
+# -- prompts -----------------------------------------------------------------------------------
+
+
+def test_shipped_sets():
+    code, chat, every = (bench.load_prompts(s) for s in ("code", "chat", "all"))
+    assert {p.name for p in code} == {"code-short", "code-long", "context-long"}
+    assert {p.set for p in chat} == {"chat"} and len(chat) >= 2
+    assert len(every) == len(code) + len(chat) and len({p.name for p in every}) == len(every)
+    assert any(p.sensitive for p in chat) and all(p.sensitive for p in code)
+    assert len(max(every, key=lambda p: len(p.text)).text) > 6000  # the prefill prompt
+
+
+def test_prompt_files(tmp_path):
+    text = tmp_path / "prompts.txt"
+    text.write_text("What is 2 + 2?\n\n\nTell me a story\nabout a cat.\n")
+    prompts = bench.load_prompts(str(text))
+    assert [(p.name, p.text, p.sensitive) for p in prompts] == [
+        ("p1", "What is 2 + 2?", True), ("p2", "Tell me a story\nabout a cat.", False)]
+    toml = tmp_path / "prompts.toml"
+    toml.write_text('[[prompt]]\nname = "x"\ntext = "def f(): pass"\n')
+    assert bench.load_prompts(str(toml)) == [bench.Prompt("x", "def f(): pass", True, "file")]
+    toml.write_text('[[prompt]]\ntext = "no name"\n')
+    with pytest.raises(ConfigError, match="name and text"):
+        bench.load_prompts(str(toml))
+    with pytest.raises(ConfigError, match="code, chat, all or a file"):
+        bench.load_prompts(str(tmp_path / "missing.txt"))
+
+
+# -- summary, table, plot (synthetic runs) ----------------------------------------------------
+
+
+def _run(config, prompt, repeat, tok_s, tokens):
+    metrics = {"ttft_s": 0.1, "tpot_s": 1 / tok_s, "decode_tok_s": tok_s, "prompt_tok_s": 100.0,
+               "prompt_tokens": 20, "generated_tokens": len(tokens), "drafted": 0, "accepted": 0, "draft_rounds": 0}
+    return bench.Run(config, prompt, repeat, metrics, [1 / tok_s] * (len(tokens) - 1), tokens)
+
+
+def _result(partial=False):
+    prompts = [bench.Prompt("nums", "1 + 1", True), bench.Prompt("talk", "hello", False)]
+    cfg = {"model": "m", "path": "/m.gguf", "draft": "none", "ngram": False, "spec_k": "auto", "rss_bytes": 2**20}
+    result = bench.BenchResult({"A": cfg, "B": cfg | {"model": "q"}}, prompts,
+                               {"prompts": ["nums", "talk"], "max_tokens": 4, "temperature": 0.0, "seed": 0,
+                                "repeat": 2, "n_batch": [], "runs_planned": 8, "runs_done": 0}, partial=partial)
+    for rep in range(2):
+        result.runs += [_run("A", "nums", rep, 10, [1, 2, 3, 4]), _run("B", "nums", rep, 20, [1, 9, 3, 4]),
+                        _run("A", "talk", rep, 10, [5, 6]), _run("B", "talk", rep, 30, [5, 6])]
+    if partial:
+        result.runs = result.runs[:5]
+    result.settings["runs_done"] = len(result.runs)
+    return result
+
+
+def test_summary_schema_ratios_agreement_and_warning():
+    doc = bench.summarize(_result())
+    assert set(doc) == TOP_KEYS and doc["schema"] == 1 and doc["partial"] is False
+    assert set(doc["configs"]["A"]) == CONFIG_KEYS
+    assert doc["configs"]["B"]["decode_tok_s"] == 25.0  # mean over prompts of per-prompt medians
+    assert doc["ratios"]["decode_tok_s"] == {"median": 2.5, "min": 2.5, "max": 2.5}
+    assert doc["agreement"]["nums"] == {"rate": 0.75, "first_divergence": 1, "sensitive": True, "tokens": [4, 4]}
+    assert doc["agreement"]["talk"]["rate"] == 1.0
+    assert len(doc["warnings"]) == 1 and "nums" in doc["warnings"][0]
+    json.dumps(doc)  # serializable as is
+
+
+def test_partial_summary_and_table_show_what_finished():
+    doc = bench.summarize(_result(partial=True))
+    assert doc["partial"] is True and doc["per_prompt"]["talk"]["B"]["runs"] == 1
+    text = bench_table(doc)
+    assert "partial" in text and "5/8 runs" in text and "warning:" in text
+    assert "decode tok/s" in text and "agreement" in text
+    json.dumps(doc)
+
+
+def test_plot_writes_a_png(tmp_path):
+    from PIL import Image
+
+    path = tmp_path / "bench.png"
+    bench.plot(_result(partial=True), path)
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    with Image.open(path) as img:
+        assert img.format == "PNG" and img.size[0] > 500
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+# -- the command on real models ----------------------------------------------------------------
+
+
+def edgerun(*args, timeout=300):
+    return subprocess.run([*EDGERUN, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("Write a Python function that returns the sum of the numbers 1 to 100.\n\n"
+                    "Explain in two sentences why the sky looks blue during the day.\n")
+    return path
+
+
+@pytest.mark.slow
+def test_bench_against_itself_matches(small_model, prompt_file, tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = edgerun("bench", "-m", str(small_model), "--vs", str(small_model), "--prompts", str(prompt_file),
+                   "-n", "16", "--repeat", "2", "--n-batch", "8,64", "--json", str(out), "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert set(doc) == TOP_KEYS and set(doc["configs"]["B"]) == CONFIG_KEYS and doc["partial"] is False
+    assert doc["settings"]["runs_done"] == doc["settings"]["runs_planned"] == 8
+    progress = [line for line in proc.stderr.splitlines() if line.startswith(("[", "n_batch"))]
+    assert len(progress) == 8 + 2 * 2 * 2  # a line per run and per sweep run
+    for key in ("ttft_s", "decode_tok_s", "prompt_tok_s"):
+        assert 0.5 < doc["ratios"][key]["median"] < 2, (key, doc["ratios"])
+    assert all(a["rate"] == 1.0 and a["first_divergence"] is None for a in doc["agreement"].values())
+    assert doc["warnings"] == [] and set(doc["n_batch_ttft"]) == {"8", "64"}
+    assert doc["configs"]["A"]["latency_s"]["p50"] > 0 and doc["configs"]["A"]["rss_bytes"] > 0
+    assert "B/A" in proc.stdout and "agreement" in proc.stdout
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.slow
+def test_bench_against_another_model_disagrees(small_model, other_vocab_model, prompt_file, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = edgerun("bench", "-m", str(small_model), "--vs", str(other_vocab_model), "--prompts", str(prompt_file),
+                   "-n", "16", "--repeat", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    rates = [a["rate"] for a in doc["agreement"].values()]
+    assert len(rates) == 2 and sum(rates) / len(rates) < 0.5, doc["agreement"]
+    assert doc["configs"]["B"]["model"] != doc["configs"]["A"]["model"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_reports_what_was_measured(small_model, prompt_file, tmp_path):
+    """Ctrl-C exits 130, as `edgerun run` does when stopped: scripts can tell an interrupted
+    bench from a complete one, and the partial report and JSON are still written."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.Popen([*EDGERUN, "bench", "-m", str(small_model), "--prompts", str(prompt_file),
+                             "-n", "64", "--repeat", "3", "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = ""
+    while not first.startswith("[") and proc.poll() is None:
+        first = proc.stderr.readline()
+    assert first.startswith("[1/12]"), first
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "partial" in stdout and "Traceback" not in stderr
+    doc = json.loads(out.read_text())
+    assert doc["partial"] is True and 1 <= doc["settings"]["runs_done"] < 12
+    assert doc["configs"]["A"]["runs"] >= 1
+    assert not os.path.exists(str(out) + ".tmp")
+
+
+@pytest.mark.slow
+def test_long_context_prompt_is_long(small_model):
+    from edgerun.runtime.engine import Model
+
+    prompt = next(p for p in bench.load_prompts("all") if p.name == "context-long")
+    with Model(small_model, vocab_only=True) as model:
+        assert len(model.tokenize(prompt.text, add_special=False)) >= 1500
