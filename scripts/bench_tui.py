@@ -7,7 +7,6 @@ times; prints the ratio of medians (goal >= 0.97)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import tempfile

@@ -15,7 +15,7 @@ from edgerun import user_settings
 from edgerun.history import History
 from edgerun.settings import EngineSettings
 from edgerun.tui.app import EdgerunApp
-from edgerun.tui.widgets import Entry, StatsPanel
+from edgerun.tui.widgets import Entry
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +30,11 @@ def own_state(tmp_path, monkeypatch, small_model):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     prefs = user_settings.UserSettings().replace(temperature=0.0, max_tokens=40)
     user_settings.save(prefs)
+
+
+def _save_prefs(**changes):
+    prefs, _ = user_settings.load()
+    user_settings.save(prefs.replace(**changes))
 
 
 async def wait_for(pilot, condition, timeout=120.0):
@@ -56,8 +61,7 @@ def notes(app):
 
 
 async def test_send_a_message_and_see_the_reply_stream_with_stats():
-    prefs, _ = user_settings.load()
-    user_settings.save(prefs.replace(max_tokens=200))
+    _save_prefs(max_tokens=200)
     app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.session is not None)
@@ -80,8 +84,7 @@ async def test_send_a_message_and_see_the_reply_stream_with_stats():
 
 
 async def test_escape_stops_the_reply_and_keeps_it_marked():
-    prefs, _ = user_settings.load()
-    user_settings.save(prefs.replace(max_tokens=400))
+    _save_prefs(max_tokens=400)
     app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.session is not None)
@@ -138,8 +141,7 @@ KILLED_APP = textwrap.dedent("""
 
 
 def test_a_kill_during_a_reply_leaves_the_partial_reply_in_the_database():
-    prefs, _ = user_settings.load()
-    user_settings.save(prefs.replace(max_tokens=400))
+    _save_prefs(max_tokens=400)
     proc = subprocess.run([sys.executable, "-c", KILLED_APP], capture_output=True, timeout=300, env=os.environ)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     with History() as h:

@@ -60,17 +60,10 @@ class Speculator:
     def _prepare_draft(self, last: int) -> tuple[list[int], int]:
         """Bring the draft's KV to the committed sequence; return (feed, its start position)."""
         draft = self.cfg.draft
-        committed = self.target.tokens + [last]
-        keep = 0
-        for a, b in zip(draft.tokens, committed):
-            if a != b:
-                break
-            keep += 1
-        draft.trim(min(keep, len(committed) - 1))
-        rest = committed[draft.n_past :]
         start = time.perf_counter()
-        if len(rest) > 1:
-            draft.eval(rest[:-1])  # a long catch-up (the prompt) goes in n_batch chunks
+        # everything committed before `last` is what the target's cache holds; a long catch-up
+        # (the prompt) goes in n_batch chunks, and the native round feeds `last` itself
+        draft.sync(self.target.tokens)
         self._catch_up_s = time.perf_counter() - start  # drafting's cost too: the governor counts it
         return [last], draft.n_past
 
@@ -100,11 +93,12 @@ class Speculator:
         result = result | {"draft_s": result["draft_s"] + self._catch_up_s}
         self._catch_up_s = 0.0
         drafts, accepted = result["drafts"], result["accepted"]
-        committed_before = self.target.tokens + [last]
-        self.target.tokens = committed_before + drafts[:accepted]
         drafter, k, why = self._pending
         if drafter == "model" and k > 0:
-            self.cfg.draft.tokens = committed_before + drafts[: result["draft_evaluated"]]
+            # the draft's cache now holds the target's old tokens, `last`, and what it evaluated
+            self.cfg.draft.tokens = self.target.tokens + [last] + drafts[: result["draft_evaluated"]]
+        self.target.tokens.append(last)  # in place: no copy of the whole context per token
+        self.target.tokens.extend(drafts[:accepted])
         if self.ngram:
             self.ngram.extend(drafts[:accepted])
         # a round without drafts is a plain step: every governor learns the plain cost from it

@@ -103,7 +103,7 @@ class Batch:
         self.raw = llama_cpp.llama_batch_init(capacity, 0, 1)
         self._closed = False
 
-    def fill(self, tokens: list[int], start_pos: int, *, all_logits: bool = False) -> None:
+    def fill(self, tokens: list[int], start_pos: int) -> None:
         b = self.raw
         n = len(tokens)
         if n > self.capacity:
@@ -114,7 +114,7 @@ class Batch:
             b.pos[i] = start_pos + i
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = 0
-            b.logits[i] = all_logits
+            b.logits[i] = False
         b.logits[n - 1] = True
 
     def close(self) -> None:
@@ -179,8 +179,8 @@ class Context:
                 raise EngineError("llama.cpp could not trim the KV cache")
             del self.tokens[n_keep:]
 
-    def eval(self, tokens: list[int], *, all_logits: bool = False) -> None:
-        """Append tokens to the KV cache, n_batch at a time; logits for the last token (or all)."""
+    def eval(self, tokens: list[int]) -> None:
+        """Append tokens to the KV cache, n_batch at a time; logits for the last token."""
         if len(self.tokens) + len(tokens) > self.n_ctx:
             raise ConfigError(
                 f"context is full ({len(self.tokens)} + {len(tokens)} tokens > {self.n_ctx});"
@@ -188,24 +188,26 @@ class Context:
             )
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start : start + self.n_batch]
-            self.batch.fill(chunk, len(self.tokens), all_logits=all_logits)
+            self.batch.fill(chunk, len(self.tokens))
             rc = llama_cpp.llama_decode(self.ptr, self.batch.raw)
             if rc != 0:
                 raise EngineError(f"llama_decode failed with code {rc}")
             self.tokens.extend(chunk)
 
-    def prefill(self, prompt: list[int]) -> int:
-        """Make the cache hold exactly `prompt`, reusing the longest common prefix.
-        Returns how many tokens were evaluated."""
-        keep = 0
-        for a, b in zip(self.tokens, prompt):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(prompt) - 1)  # re-evaluate at least one token to get its logits
+    def sync(self, tokens: list[int], *, need_logits: bool = False) -> int:
+        """Make the cache hold exactly `tokens`, reusing the longest common prefix; with
+        need_logits the last token is evaluated even if cached. Returns how many were evaluated."""
+        keep = _common_prefix(self.tokens, tokens)
+        if need_logits:
+            keep = min(keep, len(tokens) - 1)
         self.trim(keep)
-        self.eval(prompt[keep:])
-        return len(prompt) - keep
+        if keep < len(tokens):
+            self.eval(tokens[keep:])
+        return len(tokens) - keep
+
+    def prefill(self, prompt: list[int]) -> int:
+        """Make the cache hold `prompt` with the logits of its last token ready."""
+        return self.sync(prompt, need_logits=True)
 
     def logits(self, i: int = -1) -> np.ndarray:
         """Logits of output i of the last decode (-1: the last), as a NumPy view (no copy)."""
@@ -213,3 +215,17 @@ class Context:
         if not ptr:
             raise EngineError(f"no logits for output {i}")
         return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the shared prefix. The usual case, a cache that is a prefix of the new tokens
+    (the next chat turn, a draft catching up), is one list comparison in C."""
+    n = len(a)
+    if n <= len(b) and b[:n] == a:
+        return n
+    keep = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        keep += 1
+    return keep

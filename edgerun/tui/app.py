@@ -100,6 +100,7 @@ class EdgerunApp(App):
         self.generating = False
         self.recent: deque[ReplyStats] = deque(maxlen=4)  # for hints that need a while
         self._ticks = 0
+        self._process = psutil.Process()  # one handle, not one per refresh
         self._vram: str | None = None
 
     # ----- layout -------------------------------------------------------------------------------
@@ -242,7 +243,7 @@ class EdgerunApp(App):
             self._vram = ", ".join(f"{(g.total - g.free) / 2**30:.1f}/{g.total / 2**30:.0f} GiB" for g in cards)
         self.query_one(StatsPanel).show(
             self.stats, n_ctx_used=ctx.n_past if ctx else 0, n_ctx=ctx.n_ctx if ctx else self.engine.n_ctx,
-            rss=psutil.Process().memory_info().rss if self.live else 0,
+            rss=self._process.memory_info().rss if self.live else 0,
             free_ram=devices.free_ram() if self.live else 0, vram=self._vram, live=self.generating,
         )
 
