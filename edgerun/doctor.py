@@ -38,9 +38,17 @@ def report(model: str) -> str:
         lines.append(f"offload plan for {model}: unavailable ({exc})")
         return "\n".join(lines)
     engine = settings.EngineSettings()
-    plan = placement_for(info, engine)
-    lines.append(
-        f"offload plan for {model} at ctx {engine.n_ctx}: {plan.gpu_layers if plan.gpu_layers <= plan.total_layers else plan.total_layers}"
-        f"/{plan.total_layers} layers on GPU ({_gib(plan.gpu_bytes)}), {_gib(plan.cpu_bytes)} on CPU; {plan.reason}"
-    )
+    draft_name = catalog.load().find(model).draft if catalog.load().find(model) else None
+    draft_info = None
+    if draft_name and gpu and fetch.is_present(catalog.load().get(draft_name)):
+        draft_info = inspect(fetch.resolve(draft_name))
+    try:
+        plan = placement_for(info, engine, draft_info)
+    except EdgerunError as exc:
+        lines.append(f"offload plan for {model} at ctx {engine.n_ctx}: does not fit ({exc})")
+        return "\n".join(lines)
+    lines.append(f"offload plan for {model} at ctx {engine.n_ctx} ({plan.reason}):")
+    lines.append(f"  target {info.name}: {plan.target.describe()}")
+    if plan.draft and draft_name:
+        lines.append(f"  draft {draft_name}: {plan.draft.describe()}")
     return "\n".join(lines)

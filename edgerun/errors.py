@@ -48,3 +48,8 @@ class VocabMismatch(ConfigError):
 
 class HistoryError(EdgerunError):
     """The conversation history database cannot be opened, read or written."""
+
+
+class ConvertError(EdgerunError):
+    """A model that edgerun convert cannot read, plan or write (unsupported architecture, pickled
+    weights, a budget no plan fits)."""

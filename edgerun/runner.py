@@ -9,6 +9,7 @@ from pathlib import Path
 from edgerun.errors import ConfigError
 from edgerun.decode.generate import Prefill, Step, generate
 from edgerun.decode.speculative import Round
+from edgerun.decode import governor
 from edgerun.decode.speculative import SpecConfig
 from edgerun.models import catalog, fetch
 from edgerun.models.fetch import resolve
@@ -18,12 +19,49 @@ from edgerun.runtime.engine import Context, Model
 from edgerun.settings import EngineSettings, SamplerSettings
 
 
-def placement_for(info: GGUFInfo, settings: EngineSettings) -> placement.Plan:
-    kv = placement.kv_bytes_per_layer(settings.n_ctx, info.n_head_kv, info.head_dim)
-    return placement.plan(
-        info.layer_bytes, info.other_bytes, kv, devices.free_vram(),
-        gpu_available=devices.gpu_offload_supported(), requested=settings.gpu_layers,
+def footprint(info: GGUFInfo, settings: EngineSettings) -> placement.Footprint:
+    """What a model needs at these context settings (llama.cpp's default f16 KV cache)."""
+    n_ctx = min(settings.n_ctx, info.context_length or settings.n_ctx)
+    return placement.Footprint(
+        layer_bytes=info.layer_bytes,
+        input_bytes=info.input_bytes,
+        output_bytes=info.output_bytes,
+        kv_per_layer=placement.kv_bytes_per_layer(n_ctx, info.n_head_kv, info.head_dim),
+        compute_bytes=placement.compute_bytes(
+            min(settings.n_ubatch, settings.n_batch), info.n_vocab, info.n_embd, info.n_head, n_ctx),
+        tied_head=info.tied_head,
     )
+
+
+def placement_for(info: GGUFInfo, settings: EngineSettings, draft: GGUFInfo | None = None,
+                  memory: devices.Memory | None = None) -> placement.Plan:
+    """The offload plan for a target (and draft) on this machine's free memory now (or on
+    `memory`). When nothing fits, the error says which smaller context would (the context is
+    shrunk only when asked)."""
+    mem = memory or devices.memory()
+
+    def attempt(s: EngineSettings) -> placement.Plan:
+        return placement.plan(
+            footprint(info, s),
+            footprint(draft, s) if draft else None,
+            free_vram=mem.free_vram if s.max_vram is None else min(mem.free_vram, s.max_vram),
+            free_ram=mem.free_ram,
+            gpu_available=mem.gpu,
+            requested=s.gpu_layers,
+        )
+
+    try:
+        return attempt(settings)
+    except ConfigError as exc:
+        n_ctx = settings.n_ctx // 2
+        while n_ctx >= 256:
+            try:
+                attempt(settings.replace(n_ctx=n_ctx))
+            except ConfigError:
+                n_ctx //= 2
+                continue
+            raise ConfigError(f"{exc}; --ctx {n_ctx} would fit") from None
+        raise ConfigError(f"{exc}; no context fits: pick a smaller model or close other programs") from None
 
 
 def draft_for(target_spec: str, draft: str | None) -> str | None:
@@ -60,21 +98,35 @@ class Runner:
                 f"context {self.settings.n_ctx} is larger than {self.info.name} supports ({limit});"
                 f" use --ctx {limit} or less"
             )
-        self.plan = placement_for(self.info, self.settings)
+        self.draft_info = inspect(self.draft_path) if self.draft_path else None
+        self.plan = placement_for(self.info, self.settings, self.draft_info)
         self._owned: list = []  # closed in reverse on close()
         try:
-            self.model = self._own(Model(self.path, n_gpu_layers=self.plan.gpu_layers, info=self.info))
+            self.model = self._own(Model(self.path, n_gpu_layers=self.plan.target.gpu_layers, info=self.info))
             self.ctx = self._own(Context(self.model, self.settings))
             self.draft_ctx = None
             if self.draft_path:
-                dinfo = inspect(self.draft_path)
-                dplan = placement_for(dinfo, self.settings.replace(gpu_layers="auto"))
-                self.draft_model = self._own(Model(self.draft_path, n_gpu_layers=dplan.gpu_layers, info=dinfo))
+                layers = self.plan.draft.gpu_layers if self.plan.draft else 0
+                self.draft_model = self._own(Model(self.draft_path, n_gpu_layers=layers, info=self.draft_info))
                 self.draft_ctx = self._own(Context(self.draft_model, self.settings))
         except Exception:
             self.close()
             raise
         self.spec = SpecConfig(draft=self.draft_ctx, ngram=ngram, k=spec_k, rule=rule)
+        if self.draft_ctx is not None and self.plan.gpu_bytes:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Run each batch shape a speculative round uses once before the first reply: on a GPU the
+        first decode of a new shape pays for graph capture and kernel selection, and a governor that
+        measured those would judge the draft on them."""
+        token = self.model.bos if self.model.bos >= 0 else 0
+        for n in range(1, governor.K_MAX + 2):
+            self.ctx.eval([token] * n, all_logits=True)
+            self.ctx.trim(0)
+        for _ in range(2):
+            self.draft_ctx.eval([token])
+        self.draft_ctx.trim(0)
 
     def _own(self, handle):
         self._owned.append(handle)

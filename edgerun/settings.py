@@ -38,7 +38,7 @@ class EngineSettings:
     n_ubatch: int = 512
     n_threads: int = dataclasses.field(default_factory=physical_cores)
     gpu_layers: str = "auto"  # "auto", or a layer count as text
-    flash_attn: bool = False
+    max_vram: int | None = None  # bytes of VRAM the plan may use; None: all that is free
 
     def replace(self, **changes) -> "EngineSettings":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})

@@ -1,12 +1,17 @@
-// edgerun._native: the Python face of the speculative round and the sampling math.
+// edgerun._native: the Python face of the speculative round, the sampling math, the importance-matrix
+// collector and ggml's quantizers.
 // Python owns every llama.cpp handle and passes raw addresses in; nothing here frees them.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 
+#include "gguf.h"
+#include "imatrix.hpp"
+#include "quant.hpp"
 #include "round.hpp"
 #include "sampling.hpp"
 
@@ -53,7 +58,8 @@ py::tuple py_verify(FloatArray rows, const std::vector<int32_t>& drafts, py::obj
 
 py::dict py_round(uintptr_t target, uintptr_t draft, std::vector<llama_token> draft_feed, int draft_n_past,
                   llama_token last, int target_n_past, int k, float p_min, std::vector<llama_token> proposals,
-                  std::vector<int32_t> history, const SamplerParams& p, const std::string& rule, Rng& rng) {
+                  std::vector<int32_t> history, const SamplerParams& p, const std::string& rule, Rng& rng,
+                  int plain_steps, double plain_budget_s) {
     RoundInput in;
     in.target = as_ctx(target);
     in.draft = draft ? as_ctx(draft) : nullptr;
@@ -67,6 +73,8 @@ py::dict py_round(uintptr_t target, uintptr_t draft, std::vector<llama_token> dr
     in.history = std::move(history);
     in.params = p;
     in.rule = rule_of(rule);
+    in.plain_steps = std::max(1, plain_steps);
+    in.plain_budget_s = plain_budget_s;
     if (in.draft && k > 0 && in.draft_feed.empty()) throw std::invalid_argument("draft_feed must end with last");
     RoundResult r;
     {
@@ -78,16 +86,99 @@ py::dict py_round(uintptr_t target, uintptr_t draft, std::vector<llama_token> dr
     d["drafts"] = r.drafts;
     d["accepted"] = r.accepted;
     d["next"] = r.next;
+    d["more"] = r.more;
     d["draft_evaluated"] = r.draft_evaluated;
     d["draft_s"] = r.draft_s;
     d["verify_s"] = r.verify_s;
     return d;
 }
 
+// {weight name: (sums float64 (n_mat, n_cols), rows seen int64 (n_mat,))}
+py::dict imatrix_results(const ImatrixCollector& c) {
+    py::dict out;
+    for (const auto& [name, e] : c.entries()) {
+        const auto n_mat = static_cast<py::ssize_t>(e.counts.size());
+        py::array_t<double> sums({n_mat, static_cast<py::ssize_t>(e.n_cols)});
+        std::copy(e.sums.begin(), e.sums.end(), sums.mutable_data());
+        py::array_t<int64_t> counts(n_mat);
+        std::copy(e.counts.begin(), e.counts.end(), counts.mutable_data());
+        out[py::str(name)] = py::make_tuple(sums, counts);
+    }
+    return out;
+}
+
+py::array_t<float> imatrix_captured(const ImatrixCollector& c) {
+    int64_t n_cols = 0;
+    const std::vector<float> rows = c.captured(n_cols);
+    const py::ssize_t n_rows = n_cols ? static_cast<py::ssize_t>(rows.size()) / n_cols : 0;
+    py::array_t<float> out({n_rows, static_cast<py::ssize_t>(n_cols)});
+    std::copy(rows.begin(), rows.end(), out.mutable_data());
+    return out;
+}
+
+double py_quant_error(int type, FloatArray w, py::object importance, int n_threads) {
+    if (type < 0 || type >= GGML_TYPE_COUNT) throw std::invalid_argument("unknown ggml type");
+    if (w.ndim() != 2) throw std::invalid_argument("weights must be a 2-D (rows, cols) array");
+    const int64_t n_rows = w.shape(0), n_cols = w.shape(1);
+    FloatArray imp;
+    if (!importance.is_none()) {
+        imp = importance.cast<FloatArray>();
+        if (imp.ndim() != 1 || imp.shape(0) != n_cols)
+            throw std::invalid_argument("importance must have one value per column");
+    }
+    const float* imp_ptr = importance.is_none() ? nullptr : imp.data();
+    py::gil_scoped_release release;
+    return quant_error(static_cast<ggml_type>(type), w.data(), n_rows, n_cols, imp_ptr, n_threads);
+}
+
+// progress_fd: where "done total" lines go (-1: nowhere).
+py::tuple py_quantize_model(const std::string& src, const std::string& dst, int ftype, int n_threads,
+                            bool allow_requantize, const std::vector<std::pair<std::string, int>>& overrides,
+                            py::dict imatrix, int progress_fd) {
+    QuantizeJob job;
+    job.src = src;
+    job.dst = dst;
+    job.ftype = ftype;
+    job.n_threads = n_threads;
+    job.allow_requantize = allow_requantize;
+    job.overrides = overrides;
+    for (auto item : imatrix) {
+        auto values = item.second.cast<FloatArray>();
+        job.imatrix.emplace_back(item.first.cast<std::string>(),
+                                 std::vector<float>(values.data(), values.data() + values.size()));
+    }
+    QuantizeProgress progress;
+    progress.fd = progress_fd;
+    uint32_t rc;
+    {
+        py::gil_scoped_release release;
+        rc = run_quantize(job, progress);
+    }
+    return py::make_tuple(rc, progress.errors);
+}
+
+// {tensor name: (ggml type, ne)} from a GGUF's header, read by ggml's own parser (no data, fast:
+// gguf-py's reader parses every metadata field, the whole vocabulary included).
+py::dict gguf_tensors(const std::string& path) {
+    gguf_init_params params{/*no_alloc=*/true, /*ctx=*/nullptr};
+    gguf_context* ctx = gguf_init_from_file(path.c_str(), params);
+    if (!ctx) throw std::invalid_argument(path + ": not a readable GGUF file");
+    py::dict out;
+    for (int64_t i = 0; i < gguf_get_n_tensors(ctx); ++i) {
+        const int64_t* ne = gguf_get_tensor_ne(ctx, i);
+        std::vector<int64_t> dims(ne, ne + GGML_MAX_DIMS);
+        while (dims.size() > 1 && dims.back() == 1) dims.pop_back();
+        const int type = static_cast<int>(gguf_get_tensor_type(ctx, i));
+        out[py::str(gguf_get_tensor_name(ctx, i))] = py::make_tuple(type, dims);
+    }
+    gguf_free(ctx);
+    return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-    m.doc() = "edgerun's native hot path: the speculative round and the sampling math";
+    m.doc() = "edgerun's native hot path: the speculative round, the sampling math, the imatrix and the quantizers";
 
     py::class_<SamplerParams>(m, "SamplerParams")
         .def(py::init<>())
@@ -118,5 +209,23 @@ PYBIND11_MODULE(_native, m) {
     });
     m.def("round", &py_round, py::arg("target"), py::arg("draft"), py::arg("draft_feed"), py::arg("draft_n_past"),
           py::arg("last"), py::arg("target_n_past"), py::arg("k"), py::arg("p_min"), py::arg("proposals"),
-          py::arg("history"), py::arg("params"), py::arg("rule"), py::arg("rng"));
+          py::arg("history"), py::arg("params"), py::arg("rule"), py::arg("rng"), py::arg("plain_steps") = 1,
+          py::arg("plain_budget_s") = 0.05);
+
+    py::class_<ImatrixCollector>(m, "ImatrixCollector")
+        .def(py::init<>())
+        .def_property_readonly("callback_address", [](const ImatrixCollector&) {
+            return reinterpret_cast<uintptr_t>(&ImatrixCollector::eval_callback);
+        })
+        .def_property_readonly("user_data", [](ImatrixCollector& c) { return reinterpret_cast<uintptr_t>(&c); })
+        .def_property_readonly("error", &ImatrixCollector::error)
+        .def("set_capture", &ImatrixCollector::set_capture, py::arg("node_name"))
+        .def("results", &imatrix_results)
+        .def("captured", &imatrix_captured)
+        .def("reset", &ImatrixCollector::reset);
+    m.def("quant_error", &py_quant_error, py::arg("type"), py::arg("weights"), py::arg("importance"),
+          py::arg("n_threads") = 1);
+    m.def("gguf_tensors", &gguf_tensors, py::arg("path"));
+    m.def("quantize_model", &py_quantize_model, py::arg("src"), py::arg("dst"), py::arg("ftype"), py::arg("n_threads"),
+          py::arg("allow_requantize"), py::arg("overrides"), py::arg("imatrix"), py::arg("progress_fd") = -1);
 }

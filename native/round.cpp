@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
 namespace edgerun {
 
@@ -39,18 +40,14 @@ int n_vocab_of(llama_context* ctx) {
 llama_token draft_choice(const float* logits, int n_vocab, const std::vector<int32_t>& history,
                          const RoundInput& in, Rng& rng, std::vector<float>& dist, bool& confident) {
     if (in.params.greedy()) {
-        std::vector<float> row(logits, logits + n_vocab);
-        apply_penalty(row.data(), n_vocab, history, in.params);
-        const llama_token x = argmax(row.data(), n_vocab);
+        const llama_token x = greedy_pick(logits, n_vocab, history, in.params);
         confident = true;
-        if (in.p_min > 0) {  // confidence needs probabilities even when decoding greedily
-            SamplerParams t1 = in.params;
-            t1.temperature = 1.0f;
-            t1.top_k = 0;
-            t1.top_p = 1.0f;
-            t1.min_p = 0.0f;
-            distribution(logits, n_vocab, history, t1, dist);
-            confident = dist[x] >= in.p_min;
+        if (in.p_min > 0) {
+            // confidence: the pick's probability under the temperature-1 softmax, one pass (no sort)
+            double z = 0;
+            const float top = logits[x];
+            for (int t = 0; t < n_vocab; ++t) z += std::exp(static_cast<double>(logits[t]) - top);
+            confident = 1.0 / z >= in.p_min;
         }
         return x;
     }
@@ -84,6 +81,30 @@ bool draft_tokens(const RoundInput& in, Rng& rng, RoundResult& res, std::vector<
         ++res.draft_evaluated;
     }
     return true;
+}
+
+// Plain decoding without returning to Python: after `next`, keep decoding one token at a time
+// until plain_steps tokens, an end-of-generation token, or the time budget. Python's per-token
+// work (records, stats) is then paid once per call, which matters when a GPU step takes ~1 ms.
+void plain_run(const RoundInput& in, Rng& rng, Batch& batch, RoundResult& res, Clock::time_point t0) {
+    const llama_vocab* vocab = llama_model_get_vocab(llama_get_model(in.target));
+    const bool penalize = in.params.repeat_penalty != 1.0f && in.params.repeat_last_n != 0;
+    std::vector<int32_t> history = in.history;
+    llama_token cur = res.next;
+    int pos = in.target_n_past + 1;
+    while (static_cast<int>(res.more.size()) + 1 < in.plain_steps && !llama_vocab_is_eog(vocab, cur) &&
+           since(t0) < in.plain_budget_s) {
+        batch.set({cur}, pos++, true);
+        if (llama_decode(in.target, batch.b) != 0) { res.error = "target llama_decode failed"; return; }
+        if (penalize) {
+            history.push_back(cur);
+            if (in.params.repeat_last_n > 0 && history.size() > static_cast<size_t>(in.params.repeat_last_n))
+                history.erase(history.begin());
+        }
+        cur = sample_context(in.target, -1, history, in.params, rng);
+        if (cur < 0) { res.error = "target produced no logits"; return; }
+        res.more.push_back(cur);
+    }
 }
 
 }  // namespace
@@ -122,6 +143,7 @@ RoundResult run_round(const RoundInput& in, Rng& rng) {
     if (!llama_memory_seq_rm(llama_get_memory(in.target), 0, in.target_n_past + 1 + v.accepted, -1)) {
         res.error = "could not trim the target's KV cache";
     }
+    if (res.error.empty() && res.drafts.empty() && in.plain_steps > 1) plain_run(in, rng, batch, res, t1);
     res.verify_s = since(t1);
     return res;
 }
@@ -131,11 +153,7 @@ llama_token sample_context(llama_context* ctx, int idx, const std::vector<int32_
     const float* logits = llama_get_logits_ith(ctx, idx);
     if (!logits) return -1;
     const int n_vocab = n_vocab_of(ctx);
-    if (p.greedy()) {
-        std::vector<float> row(logits, logits + n_vocab);
-        apply_penalty(row.data(), n_vocab, history, p);
-        return argmax(row.data(), n_vocab);
-    }
+    if (p.greedy()) return greedy_pick(logits, n_vocab, history, p);
     std::vector<float> dist;
     distribution(logits, n_vocab, history, p, dist);
     return sample_dense(dist, rng.uniform());

@@ -23,12 +23,15 @@ struct RoundInput {
     std::vector<int32_t> history;        // recent committed tokens, for the repetition penalty
     SamplerParams params;
     AcceptRule rule = AcceptRule::Rejection;
+    int plain_steps = 1;                 // k = 0: decode up to this many tokens in one call
+    double plain_budget_s = 0.05;        // ... but return within about this long (cancellation)
 };
 
 struct RoundResult {
     std::vector<llama_token> drafts;  // what was proposed
     int accepted = 0;
     llama_token next = -1;
+    std::vector<llama_token> more;  // k = 0 with plain_steps > 1: the tokens after `next`, in order
     int draft_evaluated = 0;  // leading drafts now in the draft's KV (after draft_feed)
     double draft_s = 0, verify_s = 0;
     std::string error;        // non-empty: llama.cpp failed; contexts are as before the verify

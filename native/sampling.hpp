@@ -35,6 +35,9 @@ void apply_penalty(float* logits, int n_vocab, const std::vector<int32_t>& histo
 
 int32_t argmax(const float* x, int n);
 
+// argmax after the repetition penalty; reads the logits in place when no penalty applies.
+int32_t greedy_pick(const float* logits, int n_vocab, const std::vector<int32_t>& history, const SamplerParams& p);
+
 // Dense next-token distribution after llama.cpp's chain order: penalty, top-k, top-p and min-p
 // (on the temperature-1 softmax), then temperature over the kept candidates. out has n_vocab
 // entries summing to 1; tokens filtered out are exactly 0. Requires temperature > 0.

@@ -1,19 +1,35 @@
 #!/usr/bin/env bash
 # One idempotent setup from a fresh clone: .venv, llama-cpp-python built for this machine,
 # edgerun installed, default models fetched. On a ready machine it takes seconds.
+#
+# Knobs (environment): EDGERUN_PYTHON=/path/to/python installs into that interpreter's
+# environment instead of .venv (a conda env, a container image with torch); EDGERUN_LLAMA_SDIST
+# builds from a local llama-cpp-python sdist; EDGERUN_LLAMA_BUILD_DIR keeps llama.cpp's build tree
+# there (scripts/bench_gpu.py builds llama-bench in it); EDGERUN_CUDA_ARCH (default: native);
+# EDGERUN_EXTRAS (default dev,convert) picks the optional dependencies; EDGERUN_SKIP_MODELS=1
+# skips the model download.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 LLAMA_CPP_VERSION=0.3.36
-venv="$root/.venv"
-py="$venv/bin/python"
+TORCH_VERSION=2.13.0  # for `edgerun convert`; a CPU build where the machine has one on disk
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 
-if [ ! -x "$py" ]; then
-  log "creating $venv"
-  python3 -m venv "$venv"
+if [ -n "${EDGERUN_PYTHON:-}" ]; then
+  py="$EDGERUN_PYTHON"
+  state="$root/build/setup"
+else
+  venv="$root/.venv"
+  py="$venv/bin/python"
+  state="$venv"
+  if [ ! -x "$py" ]; then
+    log "creating $venv"
+    python3 -m venv "$venv"
+  fi
 fi
+mkdir -p "$state"
+bindir=$("$py" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
 
 # Pick the ggml backend. CUDA when nvcc and an NVIDIA GPU are both present. Otherwise a CPU
 # build with GGML_NATIVE off: -march=native also turns on AMX, whose matmul path crashes on
@@ -36,28 +52,37 @@ if [ -n "$cpu_flags" ]; then
 fi
 cmake_args+=" -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
 
-stamp="$venv/.llama-cpp-python.stamp"
+stamp="$state/.llama-cpp-python.stamp"
 want="$LLAMA_CPP_VERSION $backend $cmake_args"
+build_dir=()
+if [ -n "${EDGERUN_LLAMA_BUILD_DIR:-}" ]; then
+  build_dir=(-C "build-dir=$EDGERUN_LLAMA_BUILD_DIR")
+  want+=" build-dir=$EDGERUN_LLAMA_BUILD_DIR"
+fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "building llama-cpp-python $LLAMA_CPP_VERSION ($backend backend; takes a few minutes)"
   "$py" -m pip install -q --upgrade pip scikit-build-core cmake ninja >&2
   sdist="${EDGERUN_LLAMA_SDIST:-llama-cpp-python==$LLAMA_CPP_VERSION}"
   CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    "$py" -m pip install --no-cache-dir --force-reinstall --no-deps --no-binary llama-cpp-python "$sdist" >&2
+    "$py" -m pip install --no-cache-dir --force-reinstall --no-deps --no-build-isolation --no-binary llama-cpp-python \
+    ${build_dir[@]+"${build_dir[@]}"} "$sdist" >&2
   echo "$want" > "$stamp"
 fi
 
 # edgerun itself (editable), re-installed only when pyproject.toml or native/ changed.
-estamp="$venv/.edgerun.stamp"
+estamp="$state/.edgerun.stamp"
 ehash=$(cat pyproject.toml models.toml $(find native -type f 2>/dev/null | sort) 2>/dev/null | sha256sum | cut -d' ' -f1)
 if [ ! -f "$estamp" ] || [ "$(cat "$estamp")" != "$ehash" ]; then
   log "installing edgerun"
   "$py" -m pip install -q scikit-build-core pybind11 >&2
-  "$py" -m pip install -q --no-build-isolation -e ".[dev]" >&2
+  # torch reads HF checkpoints for convert; pinned so pip takes the CPU build where one is on disk
+  # instead of resolving a multi-GB CUDA build
+  "$py" -c 'import torch' 2>/dev/null || "$py" -m pip install -q "torch==$TORCH_VERSION" >&2
+  "$py" -m pip install -q --no-build-isolation -e ".[${EDGERUN_EXTRAS:-dev,convert}]" >&2
   echo "$ehash" > "$estamp"
 fi
 
 if [ "${EDGERUN_SKIP_MODELS:-0}" != 1 ]; then
-  "$venv/bin/edgerun" pull --default >/dev/null
+  "$bindir/edgerun" pull --default >/dev/null
 fi
-log "ready: $venv/bin/edgerun"
+log "ready: $bindir/edgerun"

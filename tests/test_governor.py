@@ -64,11 +64,12 @@ def session(costs: Costs, alpha: float, rounds: int, seed: int = 0):
 
 
 def measured(costs: Costs, alpha: float = gov.PRIOR_ALPHA) -> GovernorState:
-    """A state that has seen one plain round and one k=2 round (what choose() asks for first),
-    with its acceptance estimate then set to alpha."""
+    """A state that has seen one plain round and the warm-up k=2 rounds (what choose() asks for
+    first), with its acceptance estimate then set to alpha."""
     s = GovernorState()
     s = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=costs.verify_s(1), decided="")
-    s = update(s, k=2, drafted=2, accepted=1, draft_s=costs.draft_s(2), verify_s=costs.verify_s(3), decided="")
+    for _ in range(gov.WARM_ROUNDS):
+        s = update(s, k=2, drafted=2, accepted=1, draft_s=costs.draft_s(2), verify_s=costs.verify_s(3), decided="")
     return replace(s, alpha=alpha, accepted_ema=alpha * s.trials_ema)
 
 
@@ -173,6 +174,7 @@ def states(draw):
         draft_step_s=draw(st.one_of(st.none(), st.floats(1e-6, 0.5))),
         verify_s=table,
         plain_rounds=draw(st.integers(0, 600)),
+        drafted_rounds=draw(st.integers(0, 10)),
         probe_every=draw(st.sampled_from([8, 16, 32, 64, 128, 256])),
         k_max=draw(st.integers(0, 10)),
     )
@@ -188,7 +190,7 @@ def test_choose_respects_caps_and_only_drafts_when_it_pays(s, available):
     if cap == 0 or plain is None:
         assert k == 0
         return
-    if s.draft_step_s is None or len(s.verify_s) < 2:
+    if s.draft_step_s is None or len(s.verify_s) < 2 or s.drafted_rounds < gov.WARM_ROUNDS:
         assert k == min(2, cap)  # measuring the draft
         return
     rates = {j: rate(s, j) for j in range(1, cap + 1)}
@@ -283,7 +285,8 @@ def test_session_recovers_when_the_draft_turns_good():
 def test_a_draft_that_cannot_pay_even_at_full_acceptance_is_never_probed_again():
     # draft step as costly as a target step, batched verify no cheaper than sequential steps:
     # even with every draft accepted, k drafts cost more than k plain steps
-    s = GovernorState(alpha=0.99, draft_step_s=0.05, verify_s=((1, 0.05), (3, 0.15)), plain_rounds=10_000)
+    s = GovernorState(alpha=0.99, draft_step_s=0.05, verify_s=((1, 0.05), (3, 0.15)), plain_rounds=10_000,
+                      drafted_rounds=gov.WARM_ROUNDS)
     k, why = choose(s)
     assert k == 0 and "cannot beat plain" in why
 
@@ -297,3 +300,15 @@ def test_a_new_reply_keeps_costs_and_forgets_acceptance():
     assert (fresh.draft_step_s, fresh.verify_s) == (s.draft_step_s, s.verify_s)
     assert fresh.alpha == GovernorState().alpha and fresh.plain_rounds == 0
     assert fresh.probe_every == GovernorState().probe_every
+
+
+def test_a_cold_first_measurement_does_not_rule_the_draft_out():
+    """On a GPU the first decode of a new batch shape pays for graph capture: the governor keeps
+    measuring through the warm-up rounds, and a faster sample replaces a slower estimate."""
+    s = update(GovernorState(), k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=CHEAP.verify_s(1), decided="")
+    s = update(s, k=2, drafted=2, accepted=2, draft_s=50 * CHEAP.draft_s(2), verify_s=20 * CHEAP.verify_s(3), decided="")
+    assert choose(s)[1] == "measuring the draft"
+    for _ in range(gov.WARM_ROUNDS - 1):
+        s = update(s, k=2, drafted=2, accepted=2, draft_s=CHEAP.draft_s(2), verify_s=CHEAP.verify_s(3), decided="")
+    k, why = choose(s)
+    assert k > 0, why

@@ -93,16 +93,19 @@ def generate(
     while not emit.done:
         if history:
             history = (history + [last])[-sampling.repeat_last_n:]
-        result = _native.round(**speculator.round_args(last), history=history, params=params,
-                               rule=speculator.cfg.rule, rng=rng)
+        args = speculator.round_args(last, remaining=max_tokens - emit.count)
+        result = _native.round(**args, history=history, params=params, rule=speculator.cfg.rule, rng=rng)
         accepted = result["drafts"][: result["accepted"]]
         for token in accepted:
             yield emit.step(token, True)
             if emit.done:
                 break
-        if not emit.done:
-            yield emit.step(result["next"], False)
+        own = [result["next"], *result["more"]]  # the target's picks; more: a plain run's later tokens
+        for token in own:
+            if emit.done:
+                break
+            yield emit.step(token, False)
         yield speculator.after(last, result)
         if history:
-            history = (history + accepted)[-sampling.repeat_last_n:]
-        last = result["next"]
+            history = (history + accepted + own[:-1])[-sampling.repeat_last_n:]
+        last = own[-1]

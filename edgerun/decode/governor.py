@@ -12,6 +12,7 @@ PRIOR_ALPHA = 0.6    # acceptance assumed before any draft was verified
 PRIOR_TRIALS = 1.0   # ... worth this many accept/reject decisions
 PROBE_FIRST = 8      # plain rounds before re-checking a draft that lost
 PROBE_MAX = 256      # ... growing up to this while it keeps losing
+WARM_ROUNDS = 3      # drafted rounds measured before costs may rule the draft out (first ones are cold)
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class GovernorState:
     probe_every: int = PROBE_FIRST
     k_max: int = K_MAX
     decided: str = "starting: measuring plain decoding"
+    drafted_rounds: int = 0         # rounds with drafts so far (the first ones run cold)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -68,7 +70,7 @@ def choose(state: GovernorState, available: int | None = None) -> tuple[int, str
     plain = rate(state, 0)
     if plain is None:
         return 0, "measuring plain decoding"
-    if state.draft_step_s is None or len(state.verify_s) < 2:
+    if state.draft_step_s is None or len(state.verify_s) < 2 or state.drafted_rounds < WARM_ROUNDS:
         return min(2, k_cap), "measuring the draft"
     best_k, best = 0, plain
     for k in range(1, k_cap + 1):
@@ -92,7 +94,8 @@ def new_reply(state: GovernorState) -> GovernorState:
     """Carry the measured costs into a new reply, but not the acceptance: how often a draft is
     right depends on the text (a code edit repeats its prompt, a story does not)."""
     fresh = GovernorState(k_max=state.k_max)
-    return replace(fresh, draft_step_s=state.draft_step_s, verify_s=state.verify_s)
+    return replace(fresh, draft_step_s=state.draft_step_s, verify_s=state.verify_s,
+                   drafted_rounds=state.drafted_rounds)
 
 
 def hopeless(state: GovernorState, k_cap: int, plain: float) -> bool:
@@ -113,13 +116,14 @@ def _cost_ema(old: float | None, new: float) -> float:
     if old is None:
         return new
     if new < old:
-        return (old + new) / 2
+        return new  # a faster run shows what the hardware can do; the slower one had a stall
     return _ema(old, min(new, 2 * old))
 
 
 def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
-           decided: str) -> GovernorState:
-    """Fold one round's measurements into the state."""
+           decided: str, steps: int = 1) -> GovernorState:
+    """Fold one round's measurements into the state. `steps`: plain tokens the round decoded
+    (verify_s is then the time of one of them)."""
     table = dict(state.verify_s)
     n = drafted + 1
     table[n] = _cost_ema(table.get(n), verify_s)
@@ -135,14 +139,16 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
         trials_ema = _ema(trials_ema, accepted + failures)
         alpha = accepted_ema / trials_ema
         draft_step = _cost_ema(draft_step, draft_s / drafted)
+    drafted_rounds = state.drafted_rounds + (1 if drafted > 0 else 0)
     if k == 0:
-        plain_rounds, probe_every = state.plain_rounds + 1, state.probe_every
+        plain_rounds, probe_every = state.plain_rounds + steps, state.probe_every
     else:
         plain_rounds = 0
         # a probe that found the draft still losing waits twice as long for the next one
         losing = state.plain_rounds >= state.probe_every
         probe_every = min(PROBE_MAX, state.probe_every * 2) if losing else state.probe_every
     return replace(state, alpha=alpha, accepted_ema=accepted_ema, trials_ema=trials_ema, draft_step_s=draft_step,
+                   drafted_rounds=drafted_rounds,
                    verify_s=tuple(sorted(table.items())),
                    plain_rounds=plain_rounds, probe_every=probe_every, decided=decided)
 

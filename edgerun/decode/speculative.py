@@ -11,6 +11,8 @@ from edgerun.decode.ngram import NgramDrafter
 from edgerun.runtime.engine import Context
 
 DEFAULT_P_MIN = 0.2  # stop drafting when the draft gives its own pick under 20%: likely rejected
+PLAIN_STEPS = 16  # a plain stretch decodes up to this many tokens per native call
+PLAIN_BUDGET_S = 0.05  # ... returning within about this long, so a stop request lands quickly
 
 
 @dataclass(frozen=True)
@@ -67,10 +69,25 @@ class Speculator:
         self._catch_up_s = time.perf_counter() - start  # drafting's cost too: the governor counts it
         return [last], draft.n_past
 
-    def round_args(self, last: int) -> dict:
-        """Arguments for _native.round (minus history, params, rule, rng)."""
+    def _plain_steps(self, remaining: int) -> int:
+        """How many plain tokens one native call may decode: one while an n-gram match could start
+        at any token; up to the governor's next re-check of a losing draft; else PLAIN_STEPS."""
+        if self.ngram:
+            return 1
+        steps = PLAIN_STEPS
+        if self.cfg.draft is not None and self.cfg.k is None:
+            state = self.gov["model"]
+            until_probe = state.probe_every - state.plain_rounds
+            if until_probe > 0:  # none left: the governor gave up on the draft (costs alone rule it out)
+                steps = min(steps, until_probe)
+        return max(1, min(steps, remaining))
+
+    def round_args(self, last: int, remaining: int = 1) -> dict:
+        """Arguments for _native.round (minus history, params, rule, rng). `remaining`: tokens the
+        reply may still produce."""
         args = dict(target=self.target.address, draft=0, draft_feed=[], draft_n_past=0, last=last,
-                    target_n_past=self.target.n_past, k=0, p_min=self.cfg.p_min, proposals=[])
+                    target_n_past=self.target.n_past, k=0, p_min=self.cfg.p_min, proposals=[],
+                    plain_steps=1, plain_budget_s=PLAIN_BUDGET_S)
         if self.ngram:
             self.ngram.extend([last])
             proposals = self.ngram.propose(self.cfg.k or governor.K_MAX)
@@ -84,28 +101,33 @@ class Speculator:
             if k > 0:
                 feed, n_past = self._prepare_draft(last)
                 return args | dict(k=k, draft=self.cfg.draft.address, draft_feed=feed, draft_n_past=n_past)
-            return args
+            return args | dict(plain_steps=self._plain_steps(remaining))
         self._pending = ("none", 0, "no drafter")
-        return args
+        return args | dict(plain_steps=self._plain_steps(remaining))
 
     def after(self, last: int, result: dict) -> Round:
         """Record what the round left in each KV cache and teach the governor."""
-        result = result | {"draft_s": result["draft_s"] + self._catch_up_s}
-        self._catch_up_s = 0.0
-        drafts, accepted = result["drafts"], result["accepted"]
+        catch_up, self._catch_up_s = self._catch_up_s, 0.0
+        drafts, accepted, more = result["drafts"], result["accepted"], result["more"]
         drafter, k, why = self._pending
         if drafter == "model" and k > 0:
             # the draft's cache now holds the target's old tokens, `last`, and what it evaluated
             self.cfg.draft.tokens = self.target.tokens + [last] + drafts[: result["draft_evaluated"]]
         self.target.tokens.append(last)  # in place: no copy of the whole context per token
         self.target.tokens.extend(drafts[:accepted])
+        if more:  # a plain run also evaluated `next` and all but the newest of the rest
+            self.target.tokens.append(result["next"])
+            self.target.tokens.extend(more[:-1])
         if self.ngram:
             self.ngram.extend(drafts[:accepted])
-        # a round without drafts is a plain step: every governor learns the plain cost from it
+        steps = 1 + len(more)
+        # a round without drafts is a plain step: every governor learns the plain cost from it.
+        # The draft's catch-up (the prompt, or tokens made while it was off) is prefill work, not
+        # the per-token cost that decides k: the stats report it, the governor does not count it.
         for name in ([drafter] if drafts else self.gov):
             if name in self.gov:
                 self.gov[name] = governor.update(
                     self.gov[name], k=k if drafts else 0, drafted=len(drafts), accepted=accepted,
-                    draft_s=result["draft_s"], verify_s=result["verify_s"], decided=why,
+                    draft_s=result["draft_s"], verify_s=result["verify_s"] / steps, decided=why, steps=steps,
                 )
-        return Round(drafter, k, len(drafts), accepted, result["draft_s"], result["verify_s"], why)
+        return Round(drafter, k, len(drafts), accepted, result["draft_s"] + catch_up, result["verify_s"], why)

@@ -57,6 +57,11 @@ class GGUFInfo:
     file_type: str
     layer_bytes: tuple[int, ...] = field(repr=False)  # weight bytes of each repeating block
     other_bytes: int = 0  # embeddings, output head, norms outside the blocks
+    input_bytes: int = 0  # token embeddings: llama.cpp keeps them in host memory
+    output_bytes: int = 0  # output head + final norm: on the GPU once every block is
+    tied_head: bool = False  # no output.weight: the head reuses token_embd
+    n_head: int = 1
+    n_ff: int = 0
     data_offset: int = 0  # where tensor data starts: everything before it is structure
 
 
@@ -203,10 +208,10 @@ def _tensor_bytes(tensor) -> int:
     return math.prod(dims) // block * type_size
 
 
-def _check_tensors(path: Path, reader: GGUFReader, size: int) -> tuple[list[int], int]:
+def _check_tensors(path: Path, reader: GGUFReader, size: int) -> tuple[list[int], dict[str, int]]:
     n_layers = 0
     per_layer: dict[int, int] = {}
-    other = 0
+    other: dict[str, int] = {}
     expected = 0  # llama.cpp wants each tensor's data right after the previous one's, padded
     align = int(reader.alignment)
     for t in reader.tensors:
@@ -228,7 +233,7 @@ def _check_tensors(path: Path, reader: GGUFReader, size: int) -> tuple[list[int]
             per_layer[layer] = per_layer.get(layer, 0) + nbytes
             n_layers = max(n_layers, layer + 1)
         else:
-            other += nbytes
+            other[t.name] = nbytes
     return [per_layer.get(i, 0) for i in range(n_layers)], other
 
 
@@ -256,6 +261,10 @@ def _parse(path: Path, size: int) -> GGUFInfo:
     head_dim = _count(path, reader, f"{arch}.attention.key_length", n_embd // n_head)
     from gguf import LlamaFileType  # local: only needed for the label
 
+    embd = other.get("token_embd.weight", 0)
+    # a tied head reuses token_embd; llama.cpp then uploads a second copy of it for the output layer
+    head = sum(v for k, v in other.items() if k != "token_embd.weight")
+    head += 0 if "output.weight" in other else embd
     ftype = _scalar(reader, "general.file_type")
     try:
         file_type = LlamaFileType(ftype).name.removeprefix("MOSTLY_") if ftype is not None else "?"
@@ -275,9 +284,17 @@ def _parse(path: Path, size: int) -> GGUFInfo:
         n_vocab=_array_len(reader, "tokenizer.ggml.tokens"),
         file_type=file_type,
         layer_bytes=tuple(layer_bytes),
-        other_bytes=other,
+        other_bytes=sum(other.values()),
+        input_bytes=embd,
+        output_bytes=head,
+        tied_head="output.weight" not in other,
+        n_head=n_head,
+        n_ff=_count(path, reader, f"{arch}.feed_forward_length", 0, per_layer=True),
         data_offset=int(reader.data_offset),
     )
+
+
+_MEMO_VERSION = 2  # bump when GGUFInfo gains a field
 
 
 def _structure_hash(path: Path, data_offset: int) -> str:
@@ -298,6 +315,8 @@ def _recall(path: Path, size: int) -> GGUFInfo | None:
     try:
         record = json.loads(_memo_file(path, size).read_text())
         info = record["info"]
+        if record.get("version") != _MEMO_VERSION or set(info) != {f.name for f in dataclasses.fields(GGUFInfo)}:
+            return None
         if _structure_hash(path, info["data_offset"]) != record["structure_sha256"]:
             return None
         info.update(path=Path(info["path"]), layer_bytes=tuple(info["layer_bytes"]))
@@ -309,7 +328,7 @@ def _recall(path: Path, size: int) -> GGUFInfo | None:
 def _remember(info: GGUFInfo) -> None:
     memo = _memo_file(info.path, info.size)
     info_json = dataclasses.asdict(info) | {"path": str(info.path), "layer_bytes": list(info.layer_bytes)}
-    record = {"structure_sha256": _structure_hash(info.path, info.data_offset), "info": info_json}
+    record = {"version": _MEMO_VERSION, "structure_sha256": _structure_hash(info.path, info.data_offset), "info": info_json}
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_suffix(".tmp")

@@ -17,6 +17,19 @@ class Gpu:
     free: int
 
 
+@dataclass(frozen=True)
+class Memory:
+    """Free memory the placement plan works with."""
+
+    free_ram: int
+    free_vram: int
+    gpu: bool
+
+
+def memory() -> Memory:
+    return Memory(free_ram=free_ram(), free_vram=free_vram(), gpu=gpu_offload_supported())
+
+
 def cpu_features() -> str:
     info = llama_cpp.llama_print_system_info().decode(errors="replace")
     cpu = next((part for part in info.split("|") if "CPU" in part), "")

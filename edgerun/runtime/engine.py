@@ -103,7 +103,7 @@ class Batch:
         self.raw = llama_cpp.llama_batch_init(capacity, 0, 1)
         self._closed = False
 
-    def fill(self, tokens: list[int], start_pos: int) -> None:
+    def fill(self, tokens: list[int], start_pos: int, *, all_logits: bool = False) -> None:
         b = self.raw
         n = len(tokens)
         if n > self.capacity:
@@ -114,7 +114,7 @@ class Batch:
             b.pos[i] = start_pos + i
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = 0
-            b.logits[i] = False
+            b.logits[i] = all_logits
         b.logits[n - 1] = True
 
     def close(self) -> None:
@@ -133,9 +133,14 @@ class Context:
     """Owns a llama_context* and its batch; remembers which tokens its KV cache holds, so a
     new prompt that extends the last one (a chat turn) evaluates only the new part."""
 
-    def __init__(self, model: Model, settings: EngineSettings):
+    def __init__(self, model: Model, settings: EngineSettings, *, eval_callback: tuple[int, int] | None = None):
+        """eval_callback: (function address, user data address) of a ggml_backend_sched_eval_callback
+        that sees the graph's nodes (the native imatrix collector); its owner must outlive the context."""
         self.model = model
         params = llama_cpp.llama_context_default_params()
+        if eval_callback is not None:
+            params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(eval_callback[0])
+            params.cb_eval_user_data = ctypes.c_void_p(eval_callback[1])
         params.n_ctx = settings.n_ctx
         params.n_batch = settings.n_batch
         params.n_ubatch = min(settings.n_ubatch, settings.n_batch)
@@ -179,8 +184,9 @@ class Context:
                 raise EngineError("llama.cpp could not trim the KV cache")
             del self.tokens[n_keep:]
 
-    def eval(self, tokens: list[int]) -> None:
-        """Append tokens to the KV cache, n_batch at a time; logits for the last token."""
+    def eval(self, tokens: list[int], *, all_logits: bool = False) -> None:
+        """Append tokens to the KV cache, n_batch at a time; logits for the last token (for
+        every token with all_logits)."""
         if len(self.tokens) + len(tokens) > self.n_ctx:
             raise ConfigError(
                 f"context is full ({len(self.tokens)} + {len(tokens)} tokens > {self.n_ctx});"
@@ -188,7 +194,7 @@ class Context:
             )
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start : start + self.n_batch]
-            self.batch.fill(chunk, len(self.tokens))
+            self.batch.fill(chunk, len(self.tokens), all_logits=all_logits)
             rc = llama_cpp.llama_decode(self.ptr, self.batch.raw)
             if rc != 0:
                 raise EngineError(f"llama_decode failed with code {rc}")

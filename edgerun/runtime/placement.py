@@ -1,19 +1,77 @@
-"""Where the model's layers go: how many fit on the GPU. A pure function of sizes."""
+"""Where the models go: how many target layers fit on the GPU, the draft first. A pure function of
+sizes: the GGUF's per-layer bytes, the KV cache at the chosen context, compute buffers, and free
+VRAM and RAM."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-MARGIN_BYTES = 512 << 20  # compute buffers, CUDA context and fragmentation
+from edgerun.errors import ConfigError
+
+GiB = 2**30
+VRAM_MARGIN = 512 << 20  # CUDA context, cuBLAS workspace, fragmentation
+RAM_MARGIN = 1 << 30  # the OS, Python, the UI
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one model needs, from its GGUF and the context settings."""
+
+    layer_bytes: tuple[int, ...]  # weights of each repeating block
+    input_bytes: int  # token embeddings: llama.cpp keeps them in host memory
+    output_bytes: int  # output head + final norm: on the GPU only when every block is
+    kv_per_layer: int  # K + V of one block at the chosen context
+    compute_bytes: int  # scratch for one micro-batch (activations, attention scores, logits)
+    tied_head: bool = False  # the head reuses the input embeddings (a GPU head needs its own copy)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_bytes)
+
+    @property
+    def head_on_cpu(self) -> int:
+        """The head's bytes when it stays in host memory (a tied head shares the embeddings)."""
+        return self.output_bytes - (self.input_bytes if self.tied_head else 0)
+
+    @property
+    def total(self) -> int:
+        """Everything, with the head in host memory."""
+        return sum(self.layer_bytes) + self.input_bytes + self.head_on_cpu + self.kv_per_layer * self.n_layers
+
+
+@dataclass(frozen=True)
+class Split:
+    """One model's placement: the n_gpu_layers to give llama.cpp and the bytes on each side."""
+
+    gpu_layers: int  # llama.cpp's count: n_layers + 1 also offloads the output layer
+    n_layers: int
+    gpu_bytes: int
+    cpu_bytes: int
+
+    @property
+    def blocks_on_gpu(self) -> int:
+        return min(self.gpu_layers, self.n_layers)
+
+    def describe(self) -> str:
+        if self.gpu_layers == 0:
+            return f"all on CPU ({self.cpu_bytes / GiB:.2f} GiB RAM)"
+        where = "all on GPU" if self.gpu_layers > self.n_layers else f"{self.blocks_on_gpu}/{self.n_layers} layers on GPU"
+        return f"{where} ({self.gpu_bytes / GiB:.2f} GiB VRAM, {self.cpu_bytes / GiB:.2f} GiB RAM)"
 
 
 @dataclass(frozen=True)
 class Plan:
-    gpu_layers: int
-    total_layers: int
-    gpu_bytes: int
-    cpu_bytes: int
+    target: Split
+    draft: Split | None
     reason: str
+
+    @property
+    def gpu_bytes(self) -> int:
+        return self.target.gpu_bytes + (self.draft.gpu_bytes if self.draft else 0)
+
+    @property
+    def cpu_bytes(self) -> int:
+        return self.target.cpu_bytes + (self.draft.cpu_bytes if self.draft else 0)
 
 
 def kv_bytes_per_layer(n_ctx: int, n_head_kv: int, head_dim: int, bytes_per_elem: int = 2) -> int:
@@ -21,33 +79,98 @@ def kv_bytes_per_layer(n_ctx: int, n_head_kv: int, head_dim: int, bytes_per_elem
     return 2 * n_ctx * n_head_kv * head_dim * bytes_per_elem
 
 
+def compute_bytes(n_ubatch: int, n_vocab: int, n_embd: int, n_head: int, n_ctx: int, *, flash_attn: bool = True) -> int:
+    """llama.cpp's compute buffer for one micro-batch (f32): the logits of every position in it plus
+    the residual stream and its normed copy; without flash attention one layer's attention scores
+    too. Measured on qwen2 and gemma3 models (tests/test_placement.py checks it against the size
+    llama.cpp reports)."""
+    scores = 0 if flash_attn else n_ctx * n_head
+    return 4 * n_ubatch * (n_vocab + 2 * n_embd + scores)
+
+
+def split(fp: Footprint, n: int) -> Split:
+    """The bytes per side when llama.cpp offloads the last n blocks (n_layers + 1: the head too).
+    Offloaded blocks keep their KV cache on the GPU; each side that computes has a compute buffer."""
+    blocks = min(n, fp.n_layers)
+    gpu = sum(fp.layer_bytes[fp.n_layers - blocks :]) + fp.kv_per_layer * blocks
+    cpu = fp.total - gpu + fp.compute_bytes
+    if n > fp.n_layers:
+        gpu += fp.output_bytes
+        cpu -= fp.head_on_cpu
+    if n > 0:
+        gpu += fp.compute_bytes
+    return Split(n, fp.n_layers, gpu, cpu)
+
+
+def _most_layers(fp: Footprint, budget: int) -> int:
+    """The largest n whose GPU share fits the budget (GPU bytes grow with n)."""
+    best = 0
+    for n in range(1, fp.n_layers + 2):
+        if split(fp, n).gpu_bytes > budget:
+            break
+        best = n
+    return best
+
+
 def plan(
-    layer_bytes: tuple[int, ...],
-    other_bytes: int,
-    kv_per_layer: int,
-    free_vram: int,
+    target: Footprint,
+    draft: Footprint | None,
     *,
+    free_vram: int,
+    free_ram: int,
     gpu_available: bool,
     requested: str = "auto",
 ) -> Plan:
-    """Choose n_gpu_layers. 'auto' puts as many whole layers (weights + their KV) on the GPU as fit
-    in free VRAM minus a margin; the output head goes with the last layer (llama.cpp's rule)."""
-    n = len(layer_bytes)
-    total = sum(layer_bytes) + other_bytes + kv_per_layer * n
-    if not gpu_available or requested == "0":
-        why = "no GPU backend" if not gpu_available else "--gpu-layers 0"
-        return Plan(0, n, 0, total, f"all on CPU ({why})")
-    if requested != "auto":
-        k = max(0, min(int(requested), n))
-        gpu = sum(layer_bytes[n - k :]) + kv_per_layer * k
-        return Plan(k, n, gpu, total - gpu, f"{k} layers on GPU as requested")
-    budget = free_vram - MARGIN_BYTES - other_bytes  # embeddings/output head are offloaded with all layers
-    k, used = 0, 0
-    for size in reversed(layer_bytes):  # llama.cpp offloads the last layers first
-        if used + size + kv_per_layer > budget:
-            break
-        used += size + kv_per_layer
-        k += 1
-    gpu = used + (other_bytes if k == n else 0)
-    why = "fits entirely in VRAM" if k == n else f"{k}/{n} layers fit in {free_vram / 2**30:.1f} GiB free VRAM"
-    return Plan(k if k < n else n + 1, n, gpu, total - gpu, why)
+    """Choose n_gpu_layers for the target and the draft.
+
+    auto: the draft goes entirely on the GPU first when it fits (its steps are the latency-critical
+    part of a speculative round), then as many target blocks as fit in what is left, last blocks
+    first (llama.cpp's order), the output head with the last one. A number is taken as asked.
+    Refuses, before anything loads, a plan whose host share does not fit in free RAM."""
+    if not gpu_available:
+        result = Plan(split(target, 0), split(draft, 0) if draft else None, "no GPU backend: all on CPU")
+    elif requested == "auto":
+        result = _auto(target, draft, free_vram - VRAM_MARGIN)
+    else:
+        try:
+            n = max(0, min(int(requested), target.n_layers + 1))
+        except ValueError:
+            raise ConfigError(f"--gpu-layers {requested!r} is not a number; use auto, 0 or a layer count") from None
+        tsplit = split(target, n)
+        dsplit, note = _draft_first(draft, free_vram - VRAM_MARGIN - tsplit.gpu_bytes)
+        result = Plan(tsplit, dsplit, "; ".join(x for x in (f"{min(n, target.n_layers)} target layers on GPU as asked", note) if x))
+    _check_ram(result, free_ram)
+    return result
+
+
+def _draft_first(draft: Footprint | None, budget: int) -> tuple[Split | None, str]:
+    if draft is None:
+        return None, ""
+    full = split(draft, draft.n_layers + 1)
+    if full.gpu_bytes <= budget:
+        return full, "draft fully on GPU"
+    return split(draft, 0), "draft on CPU (does not fit in VRAM)"
+
+
+def _auto(target: Footprint, draft: Footprint | None, budget: int) -> Plan:
+    dsplit, note = _draft_first(draft, budget)
+    if dsplit is not None:
+        budget -= dsplit.gpu_bytes
+    n = _most_layers(target, budget)
+    if n > target.n_layers:
+        head = "target fits entirely in VRAM"
+    elif n == 0:
+        head = "no target layer fits in VRAM"
+    else:
+        head = f"{n}/{target.n_layers} target layers fit in VRAM"
+    return Plan(split(target, n), dsplit, "; ".join(x for x in (head, note) if x))
+
+
+def _check_ram(p: Plan, free_ram: int) -> None:
+    usable = free_ram - RAM_MARGIN
+    if p.cpu_bytes <= usable:
+        return
+    raise ConfigError(
+        f"the plan needs {p.cpu_bytes / GiB:.1f} GiB of RAM and {p.gpu_bytes / GiB:.1f} GiB of VRAM,"
+        f" but only {max(usable, 0) / GiB:.1f} GiB of RAM is free (after a {RAM_MARGIN / GiB:.0f} GiB margin)"
+    )

@@ -165,6 +165,7 @@ class EdgerunApp(App):
         user_settings.save(self.prefs)
         draft = event.runner.draft_spec or "none"
         self.sub_title = f"{event.runner.info.name} · draft: {draft} · {event.runner.plan.reason}"
+        self.query_one(StatsPanel).show_plan(event.runner.plan)
         self.set_status(f"ready: {event.request.model} (draft {draft})")
         if old is None and self.resume is not None:
             await self.show_conversation(self.resume)

@@ -12,6 +12,7 @@ from textual.message import Message
 from textual.widgets import Markdown, Sparkline, Static, TextArea
 
 from edgerun.decode.stats import ReplyStats
+from edgerun.runtime import placement
 
 CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)```", re.DOTALL)
 
@@ -149,6 +150,14 @@ class StatsPanel(Vertical):
         yield Static("", id="context")
         yield Static("", id="memory")
         yield Static("", id="spec")
+        yield Static("", id="placement")
+
+    def show_plan(self, plan: placement.Plan) -> None:
+        """Where the models live: layers and bytes per device (set once per model load)."""
+        text = f"target  {plan.target.describe()}"
+        if plan.draft:
+            text += f"\ndraft   {plan.draft.describe()}"
+        self._set("placement", text)
 
     def show(self, stats: ReplyStats | None, *, n_ctx_used: int, n_ctx: int, rss: int, free_ram: int,
              vram: str | None, live: bool) -> None:

@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""GPU measurements on a CUDA build: edgerun vs llama.cpp's llama-bench, offload plans, speculation.
+
+  bench_gpu.py shapes DIR                 random-weight Q4_K_M models with Qwen2.5's real shapes
+  bench_gpu.py throughput DIR --llama-bench BIN   decode tok/s, fully on the GPU, ratio + HBM use
+  bench_gpu.py offload DIR --llama-bench BIN      7B half on the GPU, 1.5B all on the CPU
+  bench_gpu.py spec TARGET DRAFT           the real pair: plain vs speculative, GPU and CPU+GPU
+
+Decode speed does not depend on weight values, so throughput uses random weights with the real
+shapes; acceptance does, so `spec` needs the real models. Every edgerun number comes from the
+user's path (`edgerun run --stats-json`), each in its own process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = {  # Qwen2.5 family: n_embd, n_ff, n_layer, n_head, n_head_kv, tied head
+    "0.5b": (896, 4864, 24, 14, 2, True),
+    "1.5b": (1536, 8960, 28, 12, 2, False),
+    "7b": (3584, 18944, 28, 28, 4, False),
+}
+N_VOCAB = 151936
+PROMPT = "Write a Python function that parses an ISO 8601 date string and returns a datetime."
+GEN = 128
+
+
+# ---- random-weight models with real shapes ------------------------------------------------------
+
+def _vocab(writer) -> None:
+    """A byte-level BPE vocab of the real size: llama.cpp needs one to load and to tokenize."""
+    from gguf import TokenType
+
+    printable = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 173)] + [chr(c) for c in range(174, 256)]
+    extra = [chr(256 + i) for i in range(256 - len(printable))]  # GPT-2's byte-to-unicode shift
+    tokens = printable + extra
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens += [f"tok{i}" for i in range(N_VOCAB - len(tokens) - len(specials))] + specials
+    types = [TokenType.NORMAL] * (N_VOCAB - 3) + [TokenType.CONTROL] * 3
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(["t o"])
+    writer.add_eos_token_id(N_VOCAB - 1)
+    writer.add_bos_token_id(N_VOCAB - 3)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                             "{% endfor %}<|im_start|>assistant\n")
+
+
+def write_shape_model(name: str, out: Path) -> Path:
+    """F16 GGUF with random weights (one random block tiled: values do not change the speed),
+    then quantized to Q4_K_M by llama.cpp's quantizer."""
+    import gguf
+    import llama_cpp
+
+    n_embd, n_ff, n_layer, n_head, n_kv, tied = SHAPES[name]
+    head_dim = n_embd // n_head
+    f16 = out / f"shape-{name}-f16.gguf"
+    final = out / f"shape-{name}-q4_k_m.gguf"
+    if final.exists():
+        return final
+    rng = np.random.default_rng(0)
+    block = (rng.standard_normal(1 << 20) * 0.02).astype(np.float16)
+
+    def weight(rows: int, cols: int) -> np.ndarray:
+        return np.resize(block, rows * cols).reshape(rows, cols)
+
+    w = gguf.GGUFWriter(str(f16), "qwen2")
+    w.add_name(f"shape-{name}")
+    w.add_context_length(32768)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    _vocab(w)
+    ones = lambda n: np.ones(n, dtype=np.float32)
+    w.add_tensor("token_embd.weight", weight(N_VOCAB, n_embd))
+    w.add_tensor("output_norm.weight", ones(n_embd))
+    if not tied:
+        w.add_tensor("output.weight", weight(N_VOCAB, n_embd))
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", ones(n_embd))
+        w.add_tensor(b + "attn_q.weight", weight(n_embd, n_embd))
+        w.add_tensor(b + "attn_q.bias", np.zeros(n_embd, dtype=np.float32))
+        w.add_tensor(b + "attn_k.weight", weight(n_kv * head_dim, n_embd))
+        w.add_tensor(b + "attn_k.bias", np.zeros(n_kv * head_dim, dtype=np.float32))
+        w.add_tensor(b + "attn_v.weight", weight(n_kv * head_dim, n_embd))
+        w.add_tensor(b + "attn_v.bias", np.zeros(n_kv * head_dim, dtype=np.float32))
+        w.add_tensor(b + "attn_output.weight", weight(n_embd, n_embd))
+        w.add_tensor(b + "ffn_norm.weight", ones(n_embd))
+        w.add_tensor(b + "ffn_gate.weight", weight(n_ff, n_embd))
+        w.add_tensor(b + "ffn_up.weight", weight(n_ff, n_embd))
+        w.add_tensor(b + "ffn_down.weight", weight(n_embd, n_ff))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.nthread = 0
+    tmp = final.with_suffix(".tmp")
+    if llama_cpp.llama_model_quantize(str(f16).encode(), str(tmp).encode(), params) != 0:
+        raise SystemExit(f"quantizing {f16} failed")
+    tmp.rename(final)
+    f16.unlink()
+    return final
+
+
+# ---- measurements -------------------------------------------------------------------------------
+
+def llama_bench(binary: str, model: Path, *, ngl: int, threads: int | None = None, reps: int = 3) -> float:
+    cmd = [binary, "-m", str(model), "-ngl", str(ngl), "-p", "0", "-n", str(GEN), "-r", str(reps), "-o", "json"]
+    if threads:
+        cmd += ["-t", str(threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def edgerun_run(model: Path, *args: str, raw: bool = True, reps: int = 3) -> dict:
+    """Median decode tok/s of `edgerun run` over reps processes, with the last run's stats."""
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = Path(tmp) / "stats.json"
+        for _ in range(reps):
+            cmd = [sys.executable, "-m", "edgerun.cli", "run", PROMPT, "-m", str(model), "-n", str(GEN),
+                   "--temp", "0", "--ctx", "4096", "--stats-json", str(stats), *args]
+            proc = subprocess.run(cmd + (["--raw"] if raw else []), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"edgerun run failed: {proc.stderr.strip().splitlines()[-1:]}")
+            runs.append(json.loads(stats.read_text()))
+    best = dict(runs[-1])
+    best["decode_tok_s"] = statistics.median(r["decode_tok_s"] for r in runs)
+    best["tokens"] = runs[-1].get("generated_tokens")
+    return best
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy rate (bytes read + written per second), the ceiling for decode."""
+    try:
+        import torch
+    except ImportError:
+        return 4.3e12
+    a = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    rate = 2 * a.numel() * 10 / (time.perf_counter() - t)
+    del a, b
+    torch.cuda.empty_cache()
+    return rate
+
+
+def cmd_shapes(args) -> None:
+    args.dir.mkdir(parents=True, exist_ok=True)
+    for name in args.which.split(","):
+        t = time.perf_counter()
+        path = write_shape_model(name, args.dir)
+        print(f"{name}: {path} {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s", flush=True)
+
+
+def cmd_throughput(args) -> dict:
+    bw = copy_bandwidth()
+    print(f"device copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    results = {}
+    for name in args.which.split(","):
+        model = args.dir / f"shape-{name}-q4_k_m.gguf"
+        theirs = llama_bench(args.llama_bench, model, ngl=99)
+        ours = edgerun_run(model, "--gpu-layers", "auto")["decode_tok_s"]
+        size = model.stat().st_size
+        results[name] = {"edgerun": ours, "llama_bench": theirs, "ratio": ours / theirs,
+                         "hbm_utilization": size * ours / bw, "file_bytes": size}
+        print(f"{name}: edgerun {ours:.1f} tok/s, llama-bench tg{GEN} {theirs:.1f} tok/s, ratio {ours / theirs:.3f}"
+              f" (goal >= 0.98); {size / 1e9:.2f} GB x {ours:.0f}/s = {size * ours / 1e12:.2f} TB/s,"
+              f" {size * ours / bw:.0%} of the copy rate", flush=True)
+    return results
+
+
+def _layers_for(model: Path, max_vram: int) -> int:
+    from edgerun.models.gguf_check import inspect
+    from edgerun.runner import placement_for
+    from edgerun.runtime import devices
+    from edgerun.settings import EngineSettings
+
+    info = inspect(model)
+    plan = placement_for(info, EngineSettings(n_ctx=4096, max_vram=max_vram),
+                         memory=devices.Memory(free_ram=devices.free_ram(), free_vram=max_vram, gpu=True))
+    return plan.target.gpu_layers
+
+
+def cmd_offload(args) -> dict:
+    from edgerun.runtime import placement
+
+    results = {}
+    model = args.dir / "shape-7b-q4_k_m.gguf"
+    half = model.stat().st_size // 2
+    cap = half + placement.VRAM_MARGIN + 400 * 2**20  # a GPU that holds about half the weights
+    n = _layers_for(model, cap)
+    ours = edgerun_run(model, "--max-vram", f"{cap / 2**30:.3f}", "--threads", str(args.threads))["decode_tok_s"]
+    same = llama_bench(args.llama_bench, model, ngl=n, threads=args.threads, reps=2)
+    quoted = llama_bench(args.llama_bench, model, ngl=14, threads=args.threads, reps=2)
+    results["7b_partial"] = {"edgerun_auto": ours, "auto_layers": n, "llama_bench_same_layers": same,
+                             "llama_bench_ngl14": quoted, "ratio_same_layers": ours / same, "max_vram": cap}
+    print(f"7b, {cap / 2**30:.2f} GiB VRAM cap: edgerun auto plan {n} layers {ours:.1f} tok/s;"
+          f" llama-bench -ngl {n} {same:.1f} tok/s (ratio {ours / same:.3f}); -ngl 14 {quoted:.1f} tok/s", flush=True)
+    model = args.dir / "shape-1.5b-q4_k_m.gguf"
+    ours = edgerun_run(model, "--gpu-layers", "0", "--threads", str(args.threads))["decode_tok_s"]
+    theirs = llama_bench(args.llama_bench, model, ngl=0, threads=args.threads, reps=2)
+    results["1.5b_cpu"] = {"edgerun": ours, "llama_bench": theirs, "ratio": ours / theirs}
+    print(f"1.5b all on CPU, {args.threads} threads: edgerun {ours:.1f} tok/s, llama-bench {theirs:.1f} tok/s,"
+          f" ratio {ours / theirs:.3f}", flush=True)
+    return results
+
+
+def cmd_spec(args) -> dict:
+    results = {}
+    scenarios = {
+        "gpu_target_gpu_draft": ["--gpu-layers", "auto"],
+        "cpu_target_gpu_draft": ["--gpu-layers", "0", "--threads", str(args.threads)],
+    }
+    for label, place in scenarios.items():
+        plain = edgerun_run(args.target, *place, "--draft", "none", raw=False, reps=args.reps)
+        spec = edgerun_run(args.target, *place, "--draft", str(args.draft), raw=False, reps=args.reps)
+        ratio = spec["decode_tok_s"] / plain["decode_tok_s"]
+        results[label] = {"plain": plain["decode_tok_s"], "spec": spec["decode_tok_s"], "ratio": ratio,
+                          "acceptance_rate": spec.get("acceptance_rate"), "mean_accepted_len": spec.get("mean_accepted_len"),
+                          "spec_k": spec.get("spec_k"), "governor": spec.get("governor")}
+        print(f"{label}: plain {plain['decode_tok_s']:.1f} tok/s, speculative {spec['decode_tok_s']:.1f} tok/s,"
+              f" ratio {ratio:.3f}; acceptance {spec.get('acceptance_rate') or 0:.0%}, mean run"
+              f" {spec.get('mean_accepted_len') or 0:.2f}, last k {spec.get('spec_k')}; governor: {spec.get('governor')}",
+              flush=True)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("shapes")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--which", default="0.5b,1.5b,7b")
+    for name in ("throughput", "offload"):
+        p = sub.add_parser(name)
+        p.add_argument("dir", type=Path)
+        p.add_argument("--llama-bench", required=True)
+        p.add_argument("--which", default="0.5b,1.5b,7b")
+        p.add_argument("--threads", type=int, default=16)
+    p = sub.add_parser("spec")
+    p.add_argument("target", type=Path)
+    p.add_argument("draft", type=Path)
+    p.add_argument("--threads", type=int, default=16)
+    p.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    out = {"shapes": cmd_shapes, "throughput": cmd_throughput, "offload": cmd_offload, "spec": cmd_spec}[args.cmd](args)
+    if args.json and out:
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
