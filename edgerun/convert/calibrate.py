@@ -1,0 +1,132 @@
+"""Calibration: run text through a GGUF with llama.cpp and gather the importance matrix.
+
+For every matmul weight W the importance of its input column c is E[x_c^2] over the activations x
+that reach it: a quantization error dW then costs about sum_c dW_rc^2 E[x_c^2] per output row,
+which is what both the sensitivity measure and llama.cpp's quantizer weigh errors by. The
+activations are read by a native eval callback, so this runs at llama.cpp's speed on any
+architecture llama.cpp runs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from edgerun import _native
+from edgerun.errors import ConvertError, EdgerunError
+from edgerun.runtime.engine import Context, Model
+from edgerun.settings import EngineSettings, physical_cores
+
+Progress = Callable[[str, int, int], None]
+
+_META = ("__tokens__", "__chunks__")
+MIN_CHUNK_TOKENS = 16  # a shorter tail adds little and would skew nothing, but is not worth a decode
+
+
+@dataclass
+class Imatrix:
+    """Per weight name, the mean of x^2 per input column (float32, n_expert * n_cols for expert
+    tensors, as llama.cpp's quantizer expects), and how much text it was measured on."""
+
+    values: dict[str, np.ndarray]
+    tokens: int
+    chunks: int
+
+    def save(self, path: str | Path) -> Path:
+        """Write as .npz (no pickled objects), atomically."""
+        path = Path(path)
+        arrays = {f"w:{name}": np.asarray(v, dtype=np.float32) for name, v in self.values.items()}
+        arrays[_META[0]] = np.array(self.tokens, dtype=np.int64)
+        arrays[_META[1]] = np.array(self.chunks, dtype=np.int64)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Imatrix":
+        path = Path(path)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                values = {k[2:]: z[k].astype(np.float32) for k in z.files if k.startswith("w:")}
+                tokens, chunks = int(z[_META[0]]), int(z[_META[1]])
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+            raise ConvertError(f"{path}: not an edgerun imatrix file ({e}); delete it to recalibrate") from e
+        return cls(values=values, tokens=tokens, chunks=chunks)
+
+
+def chunk_tokens(tokens: list[int], n_ctx: int, bos: int | None) -> list[list[int]]:
+    """Split into chunks of at most n_ctx tokens, each starting with BOS where the model wants
+    one (every chunk is evaluated with a fresh KV cache, as a document start)."""
+    body = n_ctx - (1 if bos is not None else 0)
+    chunks = []
+    for start in range(0, len(tokens), body):
+        piece = tokens[start : start + body]
+        if len(piece) < MIN_CHUNK_TOKENS and chunks:
+            break
+        chunks.append(([bos] if bos is not None else []) + piece)
+    return chunks
+
+
+def collect_imatrix(gguf_path: Path, text: str, *, n_ctx: int = 512, max_chunks: int | None = None,
+                    n_threads: int | None = None, progress: Progress | None = None,
+                    collector: "_native.ImatrixCollector | None" = None) -> Imatrix:
+    """Run `text` through the model in n_ctx chunks and return the importance matrix.
+
+    `collector` lets a caller (a test) pass a prepared native collector, e.g. one capturing a node."""
+    if n_ctx < MIN_CHUNK_TOKENS:
+        raise ConvertError(f"calibration context of {n_ctx} tokens is too short; use at least {MIN_CHUNK_TOKENS}")
+    collector = collector or _native.ImatrixCollector()
+    settings = EngineSettings(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                              n_threads=n_threads or physical_cores())
+    try:
+        with Model(gguf_path) as model:
+            tokens = model.tokenize(text, add_special=False)
+            chunks = chunk_tokens(tokens, n_ctx, model.bos if model.add_bos else None)[:max_chunks]
+            if not tokens or len(chunks[0]) < MIN_CHUNK_TOKENS:
+                raise ConvertError(f"calibration text gives {len(tokens)} tokens; give at least {MIN_CHUNK_TOKENS}")
+            with Context(model, settings, eval_callback=(collector.callback_address, collector.user_data)) as ctx:
+                _run_chunks(ctx, chunks, collector, progress)
+    except ConvertError:
+        raise
+    except EdgerunError as e:
+        raise ConvertError(f"{gguf_path}: calibration failed: {e}") from e
+    return Imatrix(values=_means(collector.results()), tokens=sum(map(len, chunks)), chunks=len(chunks))
+
+
+def _run_chunks(ctx: Context, chunks: list[list[int]], collector, progress: Progress | None) -> None:
+    for i, chunk in enumerate(chunks):
+        ctx.trim(0)
+        try:
+            # logits for every token: llama.cpp skips the last layer's rows that produce no
+            # output, and those rows' activations are calibration data like any other
+            ctx.eval(chunk, all_logits=True)
+        except EdgerunError as e:
+            raise ConvertError(f"calibration stopped: {collector.error or e}") from e
+        if collector.error:
+            raise ConvertError(f"calibration stopped: {collector.error}")
+        if progress:
+            progress("calibrate", i + 1, len(chunks))
+
+
+def _means(results: dict) -> dict[str, np.ndarray]:
+    """sum x^2 / rows per matrix; an expert no token was routed to gets 1 (no preference)."""
+    values = {}
+    for name, (sums, counts) in results.items():
+        seen = counts > 0
+        mean = np.ones_like(sums)
+        mean[seen] = sums[seen] / counts[seen, None]
+        values[name] = mean.reshape(-1).astype(np.float32)
+    return values

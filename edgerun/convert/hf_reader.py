@@ -1,0 +1,178 @@
+"""Read a Hugging Face checkpoint directory lazily, one tensor at a time.
+
+Only safetensors are read (through `safetensors.safe_open`, which memory-maps the file and copies
+out just the tensor asked for); pickled weights (`*.bin`, `*.pt`, ...) are refused, never opened,
+because unpickling runs arbitrary code. `hf://org/repo[@revision]` is fetched with
+huggingface_hub into edgerun's cache, weights and JSON only."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgerun import paths
+from edgerun.errors import ConvertError
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+# The HF class names (config.json "architectures") each GGUF architecture is made from.
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Gemma3ForCausalLM": "gemma3",
+}
+# The other direction, for writing checkpoints (fixture.py, tiny.py): class and model_type.
+HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+HF_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+HF_SCHEME = "hf://"
+_DOWNLOAD_PATTERNS = ["*.safetensors", "*.json", "tokenizer.model", "*.jinja"]
+
+
+def is_hf_uri(src: str) -> bool:
+    return src.startswith(HF_SCHEME)
+
+
+def parse_hf_uri(uri: str) -> tuple[str, str | None]:
+    """`hf://org/repo[@revision]` -> (repo id, revision or None)."""
+    body = uri[len(HF_SCHEME):].strip("/")
+    repo, _, revision = body.partition("@")
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        raise ConvertError(f"{uri}: expected hf://org/repo or hf://org/repo@revision")
+    return repo, revision or None
+
+
+def download(uri: str) -> Path:
+    """Fetch the safetensors, JSON and tokenizer files of an hf:// checkpoint (HF_ENDPOINT and
+    HF_HUB_OFFLINE are honoured by huggingface_hub itself) and return the local snapshot dir."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    repo, revision = parse_hf_uri(uri)
+    try:
+        path = snapshot_download(repo, revision=revision, allow_patterns=_DOWNLOAD_PATTERNS,
+                                 cache_dir=str(paths.cache_dir() / "hf"))
+    except (RepositoryNotFoundError, LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConvertError(f"{uri}: download failed ({what}); check the name, the network or HF_ENDPOINT") from None
+    return Path(path)
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConvertError(f"{path}: cannot read it as JSON ({exc}); fix or re-download the checkpoint") from None
+    if not isinstance(value, dict):
+        raise ConvertError(f"{path}: expected a JSON object; fix or re-download the checkpoint")
+    return value
+
+
+def _arch_of(root: Path, config: dict[str, Any]) -> str:
+    names = config.get("architectures") or []
+    for name in names:
+        if name in HF_ARCHITECTURES:
+            return HF_ARCHITECTURES[name]
+    shown = ", ".join(map(str, names)) or f"model_type {config.get('model_type')!r}"
+    raise ConvertError(f"{root}: unsupported architecture {shown}; edgerun convert supports "
+                       f"{', '.join(SUPPORTED_ARCHS)} ({', '.join(HF_ARCHITECTURES)})")
+
+
+def _weight_files(root: Path) -> list[Path]:
+    files = sorted(root.glob("*.safetensors"))
+    if files:
+        return files
+    pickled = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickled:
+        raise ConvertError(
+            f"{root}: only pickled weights ({', '.join(pickled[:3])}); edgerun never loads pickles, "
+            "use a checkpoint with *.safetensors (e.g. convert it once with safetensors' own tools)")
+    raise ConvertError(f"{root}: no *.safetensors weights; give a complete HF checkpoint directory")
+
+
+@dataclass
+class HFCheckpoint:
+    """A checkpoint directory: its config, its architecture and a lazy view of its tensors."""
+
+    root: Path
+    config: dict[str, Any]
+    arch: str
+    files: dict[str, Path]  # tensor name -> the safetensors file holding it
+    _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
+    _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        path = self.files.get(name)
+        if path is None:
+            raise KeyError(name)
+        if path not in self._handles:
+            try:
+                self._handles[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            except Exception as exc:  # safetensors raises its own SafetensorError for corrupt headers
+                raise ConvertError(f"{path}: not a readable safetensors file ({exc}); re-download it") from None
+        return self._handles[path]
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def tensor(self, name: str):
+        """One tensor as a torch tensor in its stored dtype (bf16 stays bf16)."""
+        return self._handle(name).get_tensor(name)
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def __enter__(self) -> HFCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _tensor_files(root: Path, files: list[Path]) -> dict[str, Path]:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _load_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConvertError(f"{index}: no weight_map; fix or re-download the checkpoint")
+        missing = sorted({f for f in weight_map.values() if not (root / f).is_file()})
+        if missing:
+            raise ConvertError(f"{root}: shards listed in the index are missing ({', '.join(missing[:3])}); "
+                               "download the whole checkpoint")
+        return {name: root / f for name, f in weight_map.items()}
+    from safetensors import safe_open
+
+    mapping: dict[str, Path] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                mapping.update({name: path for name in f.keys()})
+        except Exception as exc:
+            raise ConvertError(f"{path}: not a readable safetensors file ({exc}); re-download it") from None
+    return mapping
+
+
+def open_checkpoint(root: Path) -> HFCheckpoint:
+    """Check a local HF directory and open it lazily; raises ConvertError on what cannot work."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ConvertError(f"{root}: not a directory; give an HF checkpoint directory, hf://org/repo or a GGUF")
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise ConvertError(f"{root}: no config.json; give a complete HF checkpoint directory")
+    config = _load_json(config_path)
+    arch = _arch_of(root, config)
+    files = _weight_files(root)
+    if not (root / "tokenizer.json").is_file() and not (root / "tokenizer.model").is_file():
+        raise ConvertError(f"{root}: no tokenizer.json or tokenizer.model; download the tokenizer files too")
+    return HFCheckpoint(root=root, config=config, arch=arch, files=_tensor_files(root, files))
