@@ -23,6 +23,8 @@ def _add_model_args(p: argparse.ArgumentParser, *, positional: bool = False) -> 
     p.add_argument("--n-batch", type=int, default=e.n_batch, help="prompt tokens per llama_decode call")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--gpu-layers", default=e.gpu_layers, help="auto, 0, or a layer count")
+    p.add_argument("--max-vram", type=float, default=None, metavar="GIB",
+                   help="GiB of VRAM the offload plan may use (default: all that is free)")
     p.add_argument("--draft", default=defaults.DRAFT,
                    help="draft model: a catalog name or path, auto (the catalog's recommended draft where it pays), none")
     p.add_argument("--spec-k", default="auto", help="draft tokens per round: auto (the governor) or a number")
@@ -108,7 +110,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="backend, hardware, models, and the offload plan")
     p.add_argument("-m", "--model", default=None)
+
+    p = sub.add_parser("convert", help="an HF checkpoint or F16 GGUF into mixed k-quants chosen by measurement")
+    _add_convert_args(p)
     return parser
+
+
+def _add_convert_args(p: argparse.ArgumentParser) -> None:
+    # budgets and numbers are parsed by the command, so a bad value is a one-line error (exit 2)
+    p.add_argument("src", nargs="?", default=None,
+                   help="HF checkpoint directory (safetensors), hf://org/repo, or an F16/BF16/F32 GGUF")
+    p.add_argument("-o", "--output", type=Path, default=None, help="the GGUF to write")
+    p.add_argument("--quant", default=None, help="budget: the size llama.cpp's stock recipe gives, e.g. Q4_K_M, Q3_K_M, Q2_K")
+    p.add_argument("--bpw", default=None, help="budget: bits per weight over all tensors, e.g. 3.5")
+    p.add_argument("--size", default=None, help="budget: file size, e.g. 900MB, 1.2GB, 850MiB")
+    p.add_argument("--calib", action="append", default=None, metavar="SET|FILE",
+                   help="calibration text: code, chat, prose or a text file; repeat or comma-separate (default: code)")
+    p.add_argument("--keep-f16", type=Path, default=None, metavar="PATH", help="also keep the F16 GGUF here")
+    p.add_argument("--report", type=Path, default=None, metavar="PATH", help="write the report as JSON here")
+    p.add_argument("--eval-chunks", default=None, metavar="N",
+                   help="512-token chunks of held-out code for the quality report (0 skips it)")
+    p.add_argument("--threads", default=None, help="CPU threads (default: physical cores)")
 
 
 def _setup_logging(verbose: bool) -> None:

@@ -26,7 +26,8 @@ def _engine_settings(args) -> defaults.EngineSettings:
     if args.gpu_layers != "auto" and not args.gpu_layers.isdigit():
         raise ConfigError(f"--gpu-layers must be auto or a number, not '{args.gpu_layers}'")
     return defaults.EngineSettings().replace(
-        n_ctx=args.ctx, n_batch=args.n_batch, n_threads=args.threads, gpu_layers=args.gpu_layers
+        n_ctx=args.ctx, n_batch=args.n_batch, n_threads=args.threads, gpu_layers=args.gpu_layers,
+        max_vram=int(args.max_vram * 2**30) if args.max_vram is not None else None,
     )
 
 
@@ -293,3 +294,59 @@ def _bench_prompt_rows(doc: dict) -> list[list[str]]:
         rows.append([name, *(_num(p[lab]["decode_tok_s"]) for lab in labels), _num(a.get("rate"), 1, 2),
                      "-" if div is None else str(div)])
     return rows
+
+
+def cmd_convert(args) -> int:
+    from edgerun.convert import pipeline
+    from edgerun.convert.progress import Bar
+
+    opts = _convert_options(args)
+    bar = Bar()
+    try:
+        result = pipeline.convert(opts, progress=bar)
+    finally:
+        bar.close()
+    print(result.table(), flush=True)
+    if opts.report_path:
+        _err(f"report: {opts.report_path}")
+    return 0
+
+
+def _convert_options(args):
+    """The options of `edgerun convert`, checked before any long step: a bad one is a one-line
+    error with exit code 2."""
+    from edgerun.convert import pipeline, plan
+    from edgerun.errors import ConvertError
+
+    if not args.src:
+        raise ConfigError("name what to convert: edgerun convert SRC -o OUT.gguf --quant Q4_K_M")
+    if not args.output:
+        raise ConfigError("name the file to write with -o OUT.gguf")
+    calib = tuple(s.strip() for arg in (args.calib or []) for s in arg.split(",") if s.strip())
+    try:
+        options = dict(src=args.src, output=args.output, quant=args.quant, keep_f16=args.keep_f16,
+                       report_path=args.report, calib=calib or pipeline.ConvertOptions.calib)
+        if args.bpw is not None:
+            options["bpw"] = _number("--bpw", args.bpw, float)
+        if args.size is not None:
+            options["size_bytes"] = plan.parse_size(args.size)
+        if args.eval_chunks is not None:
+            options["eval_chunks"] = _number("--eval-chunks", args.eval_chunks, int, minimum=0)
+        if args.threads is not None:
+            options["n_threads"] = _number("--threads", args.threads, int, minimum=1)
+        opts = pipeline.ConvertOptions(**options)
+        pipeline.check(opts)
+    except ConvertError as exc:
+        raise ConfigError(str(exc)) from None
+    return opts
+
+
+def _number(flag: str, text: str, kind, *, minimum: float = 0):
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not value >= minimum:  # `not >=` also catches nan
+        raise ConfigError(f"{flag} must be a {'whole ' if kind is int else ''}number of at least {minimum},"
+                          f" not '{text}'")
+    return value

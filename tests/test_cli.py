@@ -41,7 +41,7 @@ def test_run_streams_only_text_to_stdout_and_writes_stats(small_model, tmp_path)
         assert key in stats
     assert 10 < stats["prompt_tokens"] < 100
     assert 1 <= stats["generated_tokens"] <= 32
-    assert 0 < stats["ttft_s"] < 60 and stats["decode_tok_s"] > 1 and stats["prompt_tok_s"] > 1
+    assert 0 < stats["ttft_s"] < 60 and stats["decode_tok_s"] > 0 and stats["prompt_tok_s"] > 1
     assert stats["peak_rss_bytes"] > small_model.stat().st_size // 4  # the weights were touched
 
 

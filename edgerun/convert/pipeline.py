@@ -1,0 +1,357 @@
+"""`edgerun convert` end to end: SRC -> F16 GGUF -> importance matrix -> per-tensor errors -> plan
+-> llama.cpp quantize -> quality report.
+
+Every intermediate lives in a work dir under edgerun's cache, named by a hash of its inputs, and
+is written atomically, so an interrupted or repeated run redoes only what is missing."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import resource
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import gguf
+import numpy as np
+
+from edgerun import paths
+from edgerun.convert import plan as planner
+from edgerun.convert import report
+from edgerun.convert.sensitivity import TensorCost
+from edgerun.errors import ConvertError
+
+Progress = Callable[[str, int, int], None]
+
+CALIB_DIR = Path(__file__).resolve().parents[1] / "data" / "calib"
+CALIB_SETS = ("code", "chat", "prose")
+EVAL_TEXT = CALIB_DIR / "eval_code.txt"  # held out: no file in common with code.txt
+# The types a tensor may get. Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL have 32-blocks, for rows that are not whole
+# 256-blocks of the k-quants (e.g. the 896-wide rows of Qwen2.5-0.5B).
+CANDIDATE_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
+_CACHE_VERSION = 2  # bump when an intermediate's format or meaning changes
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    src: str
+    output: Path
+    quant: str | None = None  # exactly one of quant / bpw / size_bytes
+    bpw: float | None = None
+    size_bytes: int | None = None
+    calib: tuple[str, ...] = ("code",)  # set names or text files
+    keep_f16: Path | None = None
+    report_path: Path | None = None
+    eval_text: Path = EVAL_TEXT
+    eval_chunks: int = 16  # 0: skip the quality evaluation
+    n_ctx: int = 512
+    calib_chunks: int | None = None
+    types: tuple[str, ...] = CANDIDATE_TYPES
+    max_rows: int | None = 256
+    n_threads: int | None = None
+    work_dir: Path | None = None  # default: <cache>/convert
+
+
+def check(opts: ConvertOptions) -> None:
+    """The cheap checks, before any long step: one budget, known calibration sets, places that
+    exist. Raises ConvertError."""
+    budgets = [b for b in (opts.quant, opts.bpw, opts.size_bytes) if b is not None]
+    if len(budgets) != 1:
+        raise ConvertError("give exactly one budget: --quant (e.g. Q4_K_M), --bpw (e.g. 3.5) or --size (e.g. 900MB)")
+    if opts.quant is not None:
+        from edgerun.convert.quantize import ftype_value
+
+        ftype_value(opts.quant)
+    if opts.bpw is not None:
+        planner.budget_for_bpw(opts.bpw, 1)
+    if not opts.src.startswith("hf://") and not Path(opts.src).expanduser().exists():
+        raise ConvertError(f"{opts.src}: no such file or directory; give an HF checkpoint directory, "
+                           "hf://org/repo or an F16/BF16/F32 GGUF")
+    for path in (opts.output, opts.report_path, opts.keep_f16):
+        if path is not None and not Path(path).expanduser().resolve().parent.is_dir():
+            raise ConvertError(f"{path}: its directory does not exist; create it first")
+    calibration_text(opts.calib)
+    if opts.eval_chunks and not Path(opts.eval_text).is_file():
+        raise ConvertError(f"{opts.eval_text}: no such evaluation text file")
+
+
+def calibration_text(sets: Sequence[str]) -> str:
+    """The named built-in sets and/or text files, concatenated."""
+    if not sets:
+        raise ConvertError("no calibration set; use --calib code, chat, prose or a text file")
+    parts = []
+    for name in sets:
+        path = CALIB_DIR / f"{name}.txt" if name in CALIB_SETS else Path(name).expanduser()
+        if not path.is_file():
+            raise ConvertError(f"unknown calibration set '{name}': use {', '.join(CALIB_SETS)} or a text file")
+        try:
+            parts.append(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConvertError(f"{path}: cannot read it as UTF-8 text ({e})") from e
+    return "\n\n".join(parts)
+
+
+def convert(opts: ConvertOptions, *, progress: Progress | None = None) -> report.Report:
+    """Run every step (reusing finished intermediates) and return the report; writes opts.output
+    and, if asked, opts.report_path and opts.keep_f16."""
+    from edgerun.convert.quantize import quantize
+    from edgerun.convert.source import prepare_f16
+
+    check(opts)
+    work = Path(opts.work_dir or paths.cache_dir() / "convert")
+    work.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    clock = _Clock(timings)
+
+    with clock("source"):
+        f16 = Path(prepare_f16(opts.src, work / "f16", progress=progress))
+    if opts.keep_f16:
+        _copy_atomic(f16, Path(opts.keep_f16))
+    with clock("calibrate"):
+        imatrix, imatrix_key = cached_imatrix(f16, opts, work, progress)
+    with clock("sensitivity"):
+        costs = cached_costs(f16, imatrix, imatrix_key, opts, work, progress)
+    inventory = inventory_of(f16, {c.name for c in costs})
+    with clock("plan"):
+        budget, base = _budget(opts, f16, inventory)
+        chosen = planner.choose(costs, budget, fixed_bytes=inventory.fixed_bytes)
+    with clock("quantize"):
+        quantize(f16, Path(opts.output), ftype=base, overrides=chosen.types, imatrix=imatrix,
+                 n_threads=opts.n_threads, progress=progress)
+    quality = None
+    if opts.eval_chunks:
+        with clock("evaluate"):
+            quality = report.evaluate(f16, Path(opts.output), Path(opts.eval_text).read_text(encoding="utf-8"),
+                                      n_ctx=opts.n_ctx, max_chunks=opts.eval_chunks,
+                                      n_threads=opts.n_threads, progress=progress)
+    result = report.build(
+        Path(opts.output), quality, source=opts.src, f16=str(f16), calib=list(opts.calib),
+        eval_text=str(opts.eval_text), budget_bytes=budget, base_ftype=base,
+        plan={"error": chosen.error, "tensor_bytes": chosen.nbytes, "exact": chosen.exact,
+              "grain_bytes": chosen.grain, "types": chosen.types},
+        imatrix={"tokens": imatrix.tokens, "chunks": imatrix.chunks},
+        timings_s=timings, peak_rss_bytes=peak_rss_bytes(),
+    )
+    if opts.report_path:
+        result.write(Path(opts.report_path))
+    return result
+
+
+class _Clock:
+    def __init__(self, timings: dict[str, float]):
+        self.timings = timings
+
+    @contextlib.contextmanager
+    def __call__(self, step: str):
+        start = time.perf_counter()
+        yield
+        self.timings[step] = round(time.perf_counter() - start, 3)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process or its largest child (the quantizer runs in one);
+    Linux reports ru_maxrss in KiB."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, child) * 1024
+
+
+def _key(*parts) -> str:
+    return hashlib.sha256(json.dumps([_CACHE_VERSION, *parts], default=str).encode()).hexdigest()[:16]
+
+
+def _file_id(path: Path) -> list:
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+
+
+def cached_imatrix(f16: Path, opts: ConvertOptions, work: Path, progress: Progress | None):
+    """The importance matrix of opts.calib on F16 and its cache key, computed once per input."""
+    from edgerun.convert.calibrate import Imatrix, collect_imatrix
+
+    text = calibration_text(opts.calib)
+    key = _key("imatrix", _file_id(f16), hashlib.sha256(text.encode()).hexdigest(), opts.n_ctx, opts.calib_chunks)
+    path = work / f"imatrix-{key}.npz"
+    if path.is_file():
+        if progress:
+            progress("calibrate (cached)", 1, 1)
+        return Imatrix.load(path), key
+    imatrix = collect_imatrix(f16, text, n_ctx=opts.n_ctx, max_chunks=opts.calib_chunks,
+                              n_threads=opts.n_threads, progress=progress)
+    imatrix.save(path)
+    return imatrix, key
+
+
+def cached_costs(f16: Path, imatrix, imatrix_key: str, opts: ConvertOptions, work: Path,
+                 progress: Progress | None) -> list[TensorCost]:
+    """Every candidate type's error for every quantizable tensor, computed once per input."""
+    from edgerun.convert.sensitivity import measure
+
+    key = _key("costs", _file_id(f16), imatrix_key, list(opts.types), opts.max_rows)
+    path = work / f"costs-{key}.json"
+    if path.is_file():
+        if progress:
+            progress("sensitivity (cached)", 1, 1)
+        return [_cost_from_json(d) for d in json.loads(path.read_text())]
+    costs = measure(f16, imatrix, opts.types, max_rows=opts.max_rows, n_threads=opts.n_threads,
+                    progress=progress)
+    costs = relative_costs(f16, imatrix, costs, max_rows=opts.max_rows)
+    report.write_text_atomic(path, json.dumps([asdict(c) for c in costs]))
+    return costs
+
+
+def relative_costs(f16: Path, imatrix, costs: Sequence[TensorCost], *, max_rows: int | None) -> list[TensorCost]:
+    """Each error divided by its tensor's signal, sum_rc imp_c W_rc^2 over the same sampled rows:
+    the noise-to-signal ratio of that matmul's output. Absolute errors are not comparable across
+    tensors (the inputs of ffn_down are far smaller than the normed inputs of attn_q, and a
+    lookup table has no input at all); relative errors are, as each layer's output meets a
+    normalized stream. Measured on Qwen2.5-0.5B at the Q3_K_M size, planning on absolute errors
+    gave twice the KLD of the stock recipe, on relative errors a fraction of it."""
+    from edgerun.convert.sensitivity import importance_for, read_rows, sample_rows
+
+    tensors = {t.name: t for t in gguf.GGUFReader(str(f16)).tensors}
+    out = []
+    for cost in costs:
+        t = tensors[cost.name]
+        w = read_rows(t, sample_rows(int(t.shape[1]), max_rows)).astype(np.float64)
+        imp = importance_for(imatrix, cost.name, cost.row_len)
+        signal = float(((w * w) * (imp[None, :] if imp is not None else 1.0)).sum())
+        if not signal > 0:  # an all-zero tensor: any type is exact
+            signal = 1.0
+        # the errors were scaled from the sampled rows to the tensor; the ratio needs no scaling
+        scale = _sample_scale(cost, len(w), lookup=imatrix is not None and imp is None
+                              and cost.name == "token_embd.weight")
+        out.append(dataclasses.replace(cost, errors={k: v / (signal * scale) for k, v in cost.errors.items()}))
+    return out
+
+
+def _sample_scale(cost: TensorCost, n_sampled: int, *, lookup: bool) -> float:
+    """The factor sensitivity.measure applied to the sampled rows' error (its documented rule):
+    1/rows for an embedding used only as a lookup, all rows / sampled rows otherwise."""
+    return 1.0 / n_sampled if lookup else cost.shape[1] / n_sampled
+
+
+def _cost_from_json(d: dict) -> TensorCost:
+    return TensorCost(name=d["name"], shape=tuple(d["shape"]), n_elements=d["n_elements"],
+                      row_len=d["row_len"], errors=d["errors"])
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What the F16 GGUF holds, for turning a CLI budget into bytes of tensor data."""
+
+    n_elements: dict[str, int]  # every tensor
+    fixed_bytes: int  # tensors the plan does not choose for (norms, biases): copied as they are
+    overhead_bytes: int  # header, metadata, alignment: the file size minus all tensor bytes
+
+
+def inventory_of(f16: Path, planned: set[str]) -> Inventory:
+    tensors = gguf.GGUFReader(str(f16)).tensors
+    total = sum(int(t.n_bytes) for t in tensors)
+    return Inventory(n_elements={t.name: int(t.n_elements) for t in tensors},
+                     fixed_bytes=sum(int(t.n_bytes) for t in tensors if t.name not in planned),
+                     overhead_bytes=f16.stat().st_size - total)
+
+
+def _budget(opts: ConvertOptions, f16: Path, inv: Inventory) -> tuple[int, str]:
+    """(bytes of tensor data allowed, llama_ftype name used as the quantizer's base recipe)."""
+    if opts.quant is not None:
+        return planner.budget_for_types(stock_types(f16, opts.quant), inv.n_elements), opts.quant.upper()
+    if opts.bpw is not None:
+        budget = planner.budget_for_bpw(opts.bpw, sum(inv.n_elements.values()))
+    else:
+        # the quantizer adds a few metadata keys, and each tensor may need up to 31 more bytes
+        # of alignment padding than in the F16 file: reserve that so the file fits --size
+        margin = 16384 + 32 * len(inv.n_elements)
+        budget = planner.budget_for_size(opts.size_bytes, inv.overhead_bytes + margin)
+    bpw = 8 * budget / sum(inv.n_elements.values())
+    return budget, nearest_ftype(bpw)
+
+
+def nearest_ftype(bpw: float) -> str:
+    """The stock recipe closest in size; only the file's general.file_type label comes from it,
+    since every planned tensor gets an explicit type."""
+    for limit, name in ((3.2, "Q2_K"), (4.2, "Q3_K_M"), (5.0, "Q4_K_M"), (5.9, "Q5_K_M"), (7.0, "Q6_K")):
+        if bpw < limit:
+            return name
+    return "Q8_0"
+
+
+_DRY_RUN_LINE = re.compile(r"\]\s+(\S+)\s+- \[[^\]]*\], type =\s*(\w+), size =[^(]*(?:\((\w+)\))?\s*$")
+
+
+def stock_types(f16: Path, ftype: str) -> dict[str, str]:
+    """Each tensor's type under llama.cpp's stock recipe `ftype`, from a dry run of its quantizer
+    (nothing is written). llama.cpp reports the dry run only in its log, one line per tensor:
+    "[  3/291]  blk.0.attn_q.weight - [896, 896, 1, 1], type = f16, size = 1.53 MiB -> 0.43 MiB (q4_K)"."""
+    import ctypes
+
+    import llama_cpp
+
+    from edgerun.convert.quantize import ftype_value
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype_value(ftype)
+    params.dry_run = True
+    lines: list[str] = []
+    with _capture_llama_log(lines):
+        rc = llama_cpp.llama_model_quantize(str(f16).encode(), os.devnull.encode(), ctypes.byref(params))
+    types = {}
+    for line in lines:
+        m = _DRY_RUN_LINE.search(line)
+        if m:
+            types[m.group(1)] = (m.group(3) or m.group(2)).upper()
+    expected = len(gguf.GGUFReader(str(f16)).tensors)
+    if rc != 0 or len(types) != expected:
+        raise ConvertError(f"llama.cpp's dry run of {ftype} on {f16} reported {len(types)} of {expected} tensors; "
+                           "use --size or --bpw instead")
+    return types
+
+
+@contextlib.contextmanager
+def _capture_llama_log(lines: list[str]):
+    """Collect llama.cpp's INFO lines without letting them reach the terminal."""
+    log = logging.getLogger("edgerun.llama")
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = _Collect(logging.INFO)
+    level, propagate = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    """--keep-f16: a hard link when on the same file system (instant), else a copy; atomic."""
+    dst = dst.expanduser()
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".part")
+    os.close(fd)
+    try:
+        try:
+            os.unlink(tmp)
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

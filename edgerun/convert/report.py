@@ -1,0 +1,242 @@
+"""How good a quantized GGUF is: the same held-out tokens through the reference and the quantized
+model with llama.cpp, compared position by position over the full vocabulary.
+
+Scoring follows llama.cpp's perplexity tool: the text is cut into chunks of n_ctx tokens (BOS
+first where the model wants one) and only the second half of each chunk is scored, so every scored
+position has at least n_ctx/2 tokens of context. At each scored position:
+    KL(ref || quant) = sum_v p_ref(v) * (log p_ref(v) - log p_quant(v))
+top-1 agreement is argmax p_ref == argmax p_quant, and perplexity is exp(mean -log p(next token))."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import gguf
+import numpy as np
+
+from edgerun.errors import ConvertError
+
+Progress = Callable[[str, int, int], None]
+_ROWS = 64  # positions per block of the KL math: bounds the float temporaries to ~40 MB each
+
+
+@dataclass(frozen=True)
+class Quality:
+    kld_mean: float
+    kld_p99: float
+    kld_max: float
+    top1_agreement: float
+    ppl: float
+    ppl_ref: float
+    n_positions: int
+    n_chunks: int
+
+
+def evaluate(ref_gguf: Path, quant_gguf: Path, text: str, *, n_ctx: int = 512,
+             max_chunks: int | None = None, n_threads: int | None = None,
+             progress: Progress | None = None) -> Quality:
+    """Compare `quant_gguf` against `ref_gguf` on `text` (see the module docstring)."""
+    return evaluate_many(ref_gguf, [quant_gguf], text, n_ctx=n_ctx, max_chunks=max_chunks,
+                         n_threads=n_threads, progress=progress)[0]
+
+
+def evaluate_many(ref_gguf: Path, quant_ggufs: Sequence[Path], text: str, *, n_ctx: int = 512,
+                  max_chunks: int | None = None, n_threads: int | None = None,
+                  progress: Progress | None = None) -> list[Quality]:
+    """evaluate() for several quantizations of one reference: the reference runs once per chunk."""
+    from edgerun.runtime.engine import Context, Model
+    from edgerun.settings import EngineSettings
+
+    engine = EngineSettings().replace(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=n_threads)
+    with contextlib.ExitStack() as stack:
+        ref = stack.enter_context(Model(ref_gguf))
+        ref_ctx = stack.enter_context(Context(ref, engine))
+        quant_ctxs = []
+        for path in quant_ggufs:
+            quant = stack.enter_context(Model(path))
+            if quant.n_vocab != ref.n_vocab:
+                raise ConvertError(f"{path} has {quant.n_vocab} tokens but the reference has {ref.n_vocab}; "
+                                   "compare a model only with its own quantizations")
+            quant_ctxs.append(stack.enter_context(Context(quant, engine)))
+        chunks = _chunks(ref, text, n_ctx, max_chunks)
+        accs = [_Accumulator() for _ in quant_ctxs]
+        first = n_ctx // 2
+        for i, chunk in enumerate(chunks):
+            if progress:
+                progress("evaluate", i, len(chunks))
+            ref_logits = _chunk_logits(ref_ctx, chunk, first)
+            targets = np.asarray(chunk[first + 1:])
+            for acc, ctx in zip(accs, quant_ctxs):
+                acc.add(ref_logits, _chunk_logits(ctx, chunk, first), targets)
+        if progress:
+            progress("evaluate", len(chunks), len(chunks))
+    return [acc.result(len(chunks)) for acc in accs]
+
+
+def _chunks(model, text: str, n_ctx: int, max_chunks: int | None) -> list[list[int]]:
+    tokens = model.tokenize(text, add_special=False, parse_special=False)
+    body = n_ctx - 1 if model.add_bos else n_ctx
+    n = len(tokens) // body
+    if max_chunks is not None:
+        n = min(n, max_chunks)
+    if n == 0:
+        raise ConvertError(f"the evaluation text has {len(tokens)} tokens, fewer than one chunk of {n_ctx}; "
+                           "use a longer text")
+    head = [model.bos] if model.add_bos else []
+    return [head + tokens[i * body:(i + 1) * body] for i in range(n)]
+
+
+def _chunk_logits(ctx, tokens: list[int], first: int) -> np.ndarray:
+    """Logits at positions first .. len-2 (each predicts the next token), evaluated on an empty
+    cache in one llama_decode."""
+    import llama_cpp
+
+    ctx.trim(0)
+    ctx.eval(tokens, all_logits=True)
+    # with every position flagged, llama_get_logits holds one row per token, in batch order
+    ptr = llama_cpp.llama_get_logits(ctx.ptr)
+    return np.ctypeslib.as_array(ptr, shape=(len(tokens), ctx.model.n_vocab))[first:-1].copy()
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+@dataclass
+class _Accumulator:
+    kld: list[np.ndarray] = field(default_factory=list)
+    agree: int = 0
+    nll: float = 0.0
+    nll_ref: float = 0.0
+    n: int = 0
+
+    def add(self, ref: np.ndarray, quant: np.ndarray, targets: np.ndarray) -> None:
+        for s in range(0, len(ref), _ROWS):
+            r, q, t = ref[s:s + _ROWS], quant[s:s + _ROWS], targets[s:s + _ROWS]
+            lr, lq = _log_softmax(r), _log_softmax(q)
+            self.kld.append(np.maximum((np.exp(lr) * (lr - lq)).sum(axis=1, dtype=np.float64), 0.0))
+            self.agree += int((r.argmax(axis=1) == q.argmax(axis=1)).sum())
+            rows = np.arange(len(t))
+            self.nll -= float(lq[rows, t].sum(dtype=np.float64))
+            self.nll_ref -= float(lr[rows, t].sum(dtype=np.float64))
+            self.n += len(t)
+
+    def result(self, n_chunks: int) -> Quality:
+        kld = np.concatenate(self.kld)
+        return Quality(kld_mean=float(kld.mean()), kld_p99=float(np.percentile(kld, 99)),
+                       kld_max=float(kld.max()), top1_agreement=self.agree / self.n,
+                       ppl=math.exp(self.nll / self.n), ppl_ref=math.exp(self.nll_ref / self.n),
+                       n_positions=self.n, n_chunks=n_chunks)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Temp file in the same directory, then rename; on any exception (Ctrl-C too) no trace."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+# --- the report of one conversion ---
+
+@dataclass(frozen=True)
+class TensorInfo:
+    type: str
+    bytes: int
+    shape: tuple[int, ...]
+
+
+def describe(path: Path) -> dict[str, TensorInfo]:
+    """Every tensor of a GGUF: its type, bytes and shape (GGUF order: row length first)."""
+    reader = gguf.GGUFReader(str(path))
+    return {t.name: TensorInfo(t.tensor_type.name, int(t.n_bytes), tuple(int(d) for d in t.shape))
+            for t in reader.tensors}
+
+
+@dataclass(frozen=True)
+class Report:
+    output: str
+    size_bytes: int
+    n_elements: int
+    tensor_bytes: int
+    tensors: dict[str, TensorInfo]
+    quality: Quality | None = None
+    details: dict = field(default_factory=dict)  # budget, plan, calibration, timings
+
+    @property
+    def bpw(self) -> float:
+        """llama.cpp's bits per weight: all tensor bytes * 8 / all elements."""
+        return 8 * self.tensor_bytes / self.n_elements
+
+    def to_json(self) -> dict:
+        q = asdict(self.quality) if self.quality else dict.fromkeys(
+            ("kld_mean", "kld_p99", "kld_max", "top1_agreement", "ppl", "ppl_ref", "n_positions", "n_chunks"))
+        return {"output": self.output, "size_bytes": self.size_bytes, "bpw": self.bpw,
+                "n_elements": self.n_elements, "tensor_bytes": self.tensor_bytes, **q,
+                "tensors": {n: {"type": t.type, "bytes": t.bytes} for n, t in self.tensors.items()},
+                **self.details}
+
+    def write(self, path: Path) -> None:
+        """The JSON document, atomically (a reader never sees half a file)."""
+        write_text_atomic(Path(path), json.dumps(self.to_json(), indent=2) + "\n")
+
+    def table(self) -> str:
+        """The terminal report: summary, quality, and the type of every weight tensor."""
+        lines = [f"{self.output}: {self.size_bytes / 1e6:,.1f} MB, {self.bpw:.3f} bpw"]
+        if "budget_bytes" in self.details:
+            lines.append(f"tensor budget {self.details['budget_bytes'] / 1e6:,.1f} MB, "
+                         f"used {self.tensor_bytes / 1e6:,.1f} MB")
+        q = self.quality
+        if q:
+            lines.append(f"vs reference on {q.n_positions} held-out positions: mean KLD {q.kld_mean:.5f} "
+                         f"(p99 {q.kld_p99:.4f}), top-1 agreement {q.top1_agreement:.2%}, "
+                         f"perplexity {q.ppl:.3f} (reference {q.ppl_ref:.3f})")
+        lines += ["", *type_table(self.tensors)]
+        return "\n".join(lines)
+
+
+def build(path: Path, quality: Quality | None = None, **details) -> Report:
+    tensors = describe(path)
+    return Report(output=str(path), size_bytes=Path(path).stat().st_size,
+                  n_elements=sum(math.prod(t.shape) for t in tensors.values()),
+                  tensor_bytes=sum(t.bytes for t in tensors.values()), tensors=tensors,
+                  quality=quality, details=details)
+
+
+_LAYER = re.compile(r"^blk\.(\d+)\.(.+?)(?:\.weight)?$")
+
+
+def type_table(tensors: dict[str, TensorInfo]) -> list[str]:
+    """One row per layer, one column per kind of weight; other weights listed after. Norms and
+    biases (1-D) are left out."""
+    layers: dict[int, dict[str, str]] = {}
+    kinds: list[str] = []
+    others = []
+    for name, t in tensors.items():
+        if len(t.shape) < 2:
+            continue
+        m = _LAYER.match(name)
+        if not m:
+            others.append(f"{name}: {t.type}")
+            continue
+        kind = m.group(2)
+        if kind not in kinds:
+            kinds.append(kind)
+        layers.setdefault(int(m.group(1)), {})[kind] = t.type
+    rows = [["layer", *kinds]] + [[str(i), *(layers[i].get(k, "-") for k in kinds)] for i in sorted(layers)]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return others + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
