@@ -128,7 +128,10 @@ def test_exception_in_progress_stops_and_removes_everything(small_model, tmp_pat
 def test_ctrl_c_leaves_no_output_and_no_temp(small_model, tmp_path):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    script = ("import sys; from pathlib import Path; from edgerun.convert.quantize import quantize; "
+    # a shell that starts jobs in the background (CI runners do) passes SIGINT on ignored: restore
+    # the handler a terminal's Ctrl-C would meet
+    script = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+              "from pathlib import Path; from edgerun.convert.quantize import quantize; "
               "quantize(Path(sys.argv[1]), Path(sys.argv[2]), ftype='Q4_K_M', overrides={}, imatrix=None)")
     proc = subprocess.Popen([sys.executable, "-c", script, str(small_model), str(out_dir / "out.gguf")],
                             stderr=subprocess.PIPE)
