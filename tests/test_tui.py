@@ -200,8 +200,15 @@ def test_snapshot_model_screen(snap_compare):
 
 def test_snapshot_settings_screen(snap_compare):
     async def open_settings(pilot):
+        from textual.widgets import Input
+
+        from edgerun.tui.screens import SettingsScreen
+
         await _loaded(pilot)
         await pilot.press("f3")
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, SettingsScreen))
+        for field in pilot.app.screen.query(Input):
+            field.cursor_blink = False  # a blinking cursor is on or off depending on timing
         await pilot.pause(0.3)
 
     app = EdgerunApp(DRAFT, draft="none", engine=ENGINE, live=False)
