@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import gguf
-import numpy as np
 
 from edgerun import paths
 from edgerun.convert import plan as planner
@@ -204,40 +203,20 @@ def cached_costs(f16: Path, imatrix, imatrix_key: str, opts: ConvertOptions, wor
         return [_cost_from_json(d) for d in json.loads(path.read_text())]
     costs = measure(f16, imatrix, opts.types, max_rows=opts.max_rows, n_threads=opts.n_threads,
                     progress=progress)
-    costs = relative_costs(f16, imatrix, costs, max_rows=opts.max_rows)
+    costs = relative_costs(costs)
     report.write_text_atomic(path, json.dumps([asdict(c) for c in costs]))
     return costs
 
 
-def relative_costs(f16: Path, imatrix, costs: Sequence[TensorCost], *, max_rows: int | None) -> list[TensorCost]:
-    """Each error divided by its tensor's signal, sum_rc imp_c W_rc^2 over the same sampled rows:
+def relative_costs(costs: Sequence[TensorCost]) -> list[TensorCost]:
+    """Each error divided by its tensor's signal (sum_rc imp_c W_rc^2, measured with the errors):
     the noise-to-signal ratio of that matmul's output. Absolute errors are not comparable across
     tensors (the inputs of ffn_down are far smaller than the normed inputs of attn_q, and a
     lookup table has no input at all); relative errors are, as each layer's output meets a
     normalized stream. Measured on Qwen2.5-0.5B at the Q3_K_M size, planning on absolute errors
     gave twice the KLD of the stock recipe, on relative errors a fraction of it."""
-    from edgerun.convert.sensitivity import importance_for, read_rows, sample_rows
-
-    tensors = {t.name: t for t in gguf.GGUFReader(str(f16)).tensors}
-    out = []
-    for cost in costs:
-        t = tensors[cost.name]
-        w = read_rows(t, sample_rows(int(t.shape[1]), max_rows)).astype(np.float64)
-        imp = importance_for(imatrix, cost.name, cost.row_len)
-        signal = float(((w * w) * (imp[None, :] if imp is not None else 1.0)).sum())
-        if not signal > 0:  # an all-zero tensor: any type is exact
-            signal = 1.0
-        # the errors were scaled from the sampled rows to the tensor; the ratio needs no scaling
-        scale = _sample_scale(cost, len(w), lookup=imatrix is not None and imp is None
-                              and cost.name == "token_embd.weight")
-        out.append(dataclasses.replace(cost, errors={k: v / (signal * scale) for k, v in cost.errors.items()}))
-    return out
-
-
-def _sample_scale(cost: TensorCost, n_sampled: int, *, lookup: bool) -> float:
-    """The factor sensitivity.measure applied to the sampled rows' error (its documented rule):
-    1/rows for an embedding used only as a lookup, all rows / sampled rows otherwise."""
-    return 1.0 / n_sampled if lookup else cost.shape[1] / n_sampled
+    return [dataclasses.replace(c, errors={k: v / c.signal for k, v in c.errors.items()}, signal=1.0)
+            for c in costs]
 
 
 def _cost_from_json(d: dict) -> TensorCost:

@@ -34,6 +34,7 @@ class TensorCost:
     n_elements: int
     row_len: int
     errors: dict[str, float]  # type name -> importance-weighted squared error (types that fit the rows)
+    signal: float = 1.0  # sum of imp_c W_rc^2, scaled like the errors: what the errors are relative to
 
 
 def _qtype(type_name: str) -> gguf.GGMLQuantizationType:
@@ -109,8 +110,10 @@ def tensor_cost(tensor: gguf.ReaderTensor, imatrix: Imatrix | None, types: Seque
                 errors[t] = _native.quant_error(int(_qtype(t)), w, imp, n_threads) * scale
             except ValueError as e:  # a type ggml cannot make (here): say which
                 raise ConvertError(f"{tensor.name}: {e}; leave {t} out of the candidate types") from e
+    w64 = w.astype(np.float64)
+    signal = float(((w64 * w64) * (imp[None, :] if imp is not None else 1.0)).sum()) * scale
     return TensorCost(name=tensor.name, shape=(row_len, n_rows), n_elements=row_len * n_rows,
-                      row_len=row_len, errors=errors)
+                      row_len=row_len, errors=errors, signal=signal if signal > 0 else 1.0)
 
 
 def measure(gguf_f16: Path, imatrix: Imatrix | None, types: Sequence[str], *, max_rows: int | None = 256,
