@@ -7,6 +7,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TypeVar
 
 import psutil
 from textual import on, work
@@ -29,6 +30,8 @@ from edgerun.settings import EngineSettings
 from edgerun.tui import hints
 from edgerun.tui.widgets import ChatInput, Entry, StatsPanel
 from edgerun import user_settings
+
+W = TypeVar("W")
 
 REFRESH_S = 0.25  # stats panel: four times a second
 TEXT_EVERY_S = 0.25  # transcript: batch tokens so the UI thread takes little CPU from llama.cpp
@@ -165,7 +168,9 @@ class EdgerunApp(App):
         user_settings.save(self.prefs)
         draft = event.runner.draft_spec or "none"
         self.sub_title = f"{event.runner.info.name} · draft: {draft} · {event.runner.plan.reason}"
-        self.query_one(StatsPanel).show_plan(event.runner.plan)
+        panel = self._main_widget(StatsPanel)
+        if panel is not None:
+            panel.show_plan(event.runner.plan)
         self.set_status(f"ready: {event.request.model} (draft {draft})")
         if old is None and self.resume is not None:
             await self.show_conversation(self.resume)
@@ -242,14 +247,27 @@ class EdgerunApp(App):
         if self.live and self._ticks % VRAM_EVERY == 1 and devices.gpu_offload_supported():
             cards = devices.gpus()
             self._vram = ", ".join(f"{(g.total - g.free) / 2**30:.1f}/{g.total / 2**30:.0f} GiB" for g in cards)
-        self.query_one(StatsPanel).show(
+        panel = self._main_widget(StatsPanel)
+        if panel is None:
+            return
+        panel.show(
             self.stats, n_ctx_used=ctx.n_past if ctx else 0, n_ctx=ctx.n_ctx if ctx else self.engine.n_ctx,
             rss=self._process.memory_info().rss if self.live else 0,
             free_ram=devices.free_ram() if self.live else 0, vram=self._vram, live=self.generating,
         )
 
     def set_status(self, text: str) -> None:
-        self.query_one("#status", Static).update(text)
+        status = self._main_widget(Static, "#status")
+        if status is not None:
+            status.update(text)
+
+    def _main_widget(self, kind: type[W], selector: str | None = None) -> W | None:
+        """A widget of the main screen, found even while another screen is on top; None while the
+        main screen is still being built or already torn down (a timer can tick then)."""
+        if not self.screen_stack:
+            return None
+        found = self.screen_stack[0].query(selector or kind)
+        return found.first(kind) if found else None
 
     # ----- conversations and screens ----------------------------------------------------------------
 
