@@ -131,6 +131,8 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-chunks", default=None, metavar="N",
                    help="512-token chunks of held-out code for the quality report (0 skips it)")
     p.add_argument("--threads", default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--no-weigh", dest="weigh", action="store_false",
+                   help="skip measuring each tensor role's effect on KLD (faster; plans on raw errors)")
 
 
 def _setup_logging(verbose: bool) -> None:

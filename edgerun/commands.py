@@ -325,7 +325,8 @@ def _convert_options(args):
     calib = tuple(s.strip() for arg in (args.calib or []) for s in arg.split(",") if s.strip())
     try:
         options = dict(src=args.src, output=args.output, quant=args.quant, keep_f16=args.keep_f16,
-                       report_path=args.report, calib=calib or pipeline.ConvertOptions.calib)
+                       report_path=args.report, calib=calib or pipeline.ConvertOptions.calib,
+                       weigh=args.weigh)
         if args.bpw is not None:
             options["bpw"] = _number("--bpw", args.bpw, float)
         if args.size is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from edgerun.models.gguf_check import GGUFInfo, inspect
 from edgerun.runtime import chat_template, devices, placement, vocab
 from edgerun.runtime.engine import Context, Model
 from edgerun.settings import EngineSettings, SamplerSettings
+
+COST_REPS = 2  # timings per shape at load; the fastest counts (noise only ever adds time)
+CATCH_UP_PROBE = 32  # tokens of draft prefill timed at load: what a catch-up costs per token
 
 
 def footprint(info: GGUFInfo, settings: EngineSettings) -> placement.Footprint:
@@ -115,6 +119,8 @@ class Runner:
         self.spec = SpecConfig(draft=self.draft_ctx, ngram=ngram, k=spec_k, rule=rule)
         if self.draft_ctx is not None and self.plan.gpu_bytes:
             self._warm_up()
+        if self.draft_ctx is not None and spec_k is None:
+            self.spec.governors["model"] = self._measure_costs()
 
     def _warm_up(self) -> None:
         """Run each batch shape a speculative round uses once before the first reply: on a GPU the
@@ -127,6 +133,28 @@ class Runner:
         for _ in range(2):
             self.draft_ctx.eval([token])
         self.draft_ctx.trim(0)
+
+    def _measure_costs(self) -> governor.GovernorState:
+        """Time a plain step, two verify batches and a draft step before the first reply, so the
+        governor judges the draft before paying for it: a draft that cannot win here would
+        otherwise cost its prompt prefill and a losing round, more than a short reply wins back."""
+        token = self.model.bos if self.model.bos >= 0 else 0
+
+        def fastest(ctx: Context, n: int, *, all_logits: bool = False) -> float:
+            best = float("inf")
+            for _ in range(COST_REPS):
+                start = time.perf_counter()
+                ctx.eval([token] * n, all_logits=all_logits)
+                best = min(best, time.perf_counter() - start)
+                ctx.trim(0)
+            return best
+
+        verify = {n: fastest(self.ctx, n, all_logits=True) for n in (1, 3, 5)}  # a verify scores every position
+        warm = governor.WARM_ROUNDS if self.plan.gpu_bytes else 1
+        return governor.GovernorState(
+            draft_step_s=fastest(self.draft_ctx, 1), verify_s=tuple(sorted(verify.items())),
+            catch_up_s=fastest(self.draft_ctx, CATCH_UP_PROBE) / CATCH_UP_PROBE,
+            drafted_rounds=warm, warm_rounds=warm, decided="costs measured at load")
 
     def _own(self, handle):
         self._owned.append(handle)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import gguf
 
-from edgerun.convert import pipeline, plan, report
+from edgerun.convert import gains, pipeline, plan, report
 from edgerun.convert.progress import Bar
 from edgerun.errors import EdgerunError
 
@@ -43,6 +43,8 @@ def _args(argv):
     p.add_argument("--calib-chunks", type=int, default=None, help="512-token chunks of calibration text (default all)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-timing", action="store_true", help="skip the timed `edgerun convert` run (quick checks)")
+    p.add_argument("--no-weigh", dest="weigh", action="store_false",
+                   help="plan on raw relative errors (no per-role KLD probes), as edgerun convert --no-weigh")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p.parse_args(argv)
 
@@ -93,7 +95,10 @@ def _variants(f16: Path, work: Path, opts: pipeline.ConvertOptions, bar) -> dict
     for calib in ("code", "prose"):
         o = dataclasses.replace(opts, calib=(calib,))
         imatrix, key = pipeline.cached_imatrix(f16, o, cache, bar)
-        measured[calib] = (imatrix, pipeline.cached_costs(f16, imatrix, key, o, cache, bar))
+        costs = pipeline.cached_costs(f16, imatrix, key, o, cache, bar)
+        if o.weigh:
+            costs = gains.weigh(costs, pipeline.cached_gains(f16, imatrix, key, costs, o, cache, bar))
+        measured[calib] = (imatrix, costs)
     inv = pipeline.inventory_of(f16, {c.name for c in measured["code"][1]})
     out = {}
     for ftype in STOCK:
@@ -155,7 +160,8 @@ def main(argv=None) -> int:
 
         f16 = Path(prepare_f16(str(hf_dir), work / "home" / "cache" / "convert" / "f16", progress=bar))
         opts = pipeline.ConvertOptions(src=str(hf_dir), output=work / "unused.gguf", quant="Q3_K_M",
-                                       calib_chunks=args.calib_chunks, n_threads=args.threads)
+                                       calib_chunks=args.calib_chunks, n_threads=args.threads,
+                                       weigh=args.weigh)
         variants = _variants(f16, work / "home", opts, bar)
         text = pipeline.EVAL_TEXT.read_text(encoding="utf-8")
         qualities = report.evaluate_many(f16, list(variants.values()), text, max_chunks=args.eval_chunks,

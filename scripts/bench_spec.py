@@ -56,7 +56,7 @@ def main() -> None:
     rows = []
     with Runner(args.model, settings, draft=args.draft) as runner:
         scenarios = {
-            "model draft": SpecConfig(draft=runner.draft_ctx),
+            "model draft": runner.spec,  # with the costs the runner measured at load
             "n-gram": SpecConfig(ngram=True),
         }
         for pname, prompt in PROMPTS.items():

@@ -131,7 +131,7 @@ def test_convert_end_to_end_and_rerun_reuses_steps(tiny_f16, tmp_path):
     proc = edgerun("convert", tiny_f16, "-o", out, "--size", str(size), "--calib", calib,
                    "--eval-chunks", "1", "--report", report_path, "--threads", "2", env=env)
     assert proc.returncode == 0, proc.stderr
-    for step in ("calibrate", "sensitivity", "quantize", "evaluate"):
+    for step in ("calibrate", "sensitivity", "weigh roles", "quantize", "evaluate"):
         assert step in proc.stderr
     assert "mean KLD" in proc.stdout and "ffn_down" in proc.stdout
 
@@ -141,6 +141,9 @@ def test_convert_end_to_end_and_rerun_reuses_steps(tiny_f16, tmp_path):
     assert doc["size_bytes"] == out.stat().st_size <= size
     assert doc["kld_mean"] > 0 and 0 < doc["top1_agreement"] <= 1 and doc["ppl"] > 0
     assert doc["plan"]["tensor_bytes"] <= doc["budget_bytes"]
+    assert set(doc["role_gains"]) == {"token_embd.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                      "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
+    assert all(g > 0 for g in doc["role_gains"].values())
     written = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
     planned = doc["plan"]["types"]
     assert planned and {n: written[n] for n in planned} == planned  # the quantizer followed the plan
@@ -151,7 +154,8 @@ def test_convert_end_to_end_and_rerun_reuses_steps(tiny_f16, tmp_path):
     again = edgerun("convert", tiny_f16, "-o", tmp_path / "again.gguf", "--size", str(size), "--calib", calib,
                     "--eval-chunks", "0", "--keep-f16", tmp_path / "kept.gguf", env=env)
     assert again.returncode == 0, again.stderr
-    assert "calibrate (cached)" in again.stderr and "sensitivity (cached)" in again.stderr
+    for step in ("calibrate", "sensitivity", "weigh roles"):
+        assert f"{step} (cached)" in again.stderr
     assert (tmp_path / "again.gguf").read_bytes() == out.read_bytes()  # same plan, same bytes
     assert (tmp_path / "kept.gguf").read_bytes() == tiny_f16.read_bytes()
 
@@ -168,3 +172,31 @@ def test_quant_budget_is_the_size_of_llama_cpp_recipe(tiny_f16, tmp_path):
     assert stock == {t.name: t.tensor_type.name for t in tensors}
     assert plan.budget_for_types(stock, {t.name: int(t.n_elements) for t in tensors}) == sum(
         int(t.n_bytes) for t in tensors)
+
+
+@pytest.mark.slow
+def test_role_gains_predict_the_kld_of_two_roles_quantized_together(tiny_f16, tmp_path):
+    """The planner adds up gain x error over tensors; check that on a probe the gains never saw."""
+    from edgerun.convert import gains, pipeline
+    from edgerun.convert.quantize import quantize
+    from edgerun.convert.report import Reference
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CODE.read_text()[:8000])
+    opts = pipeline.ConvertOptions(src=str(tiny_f16), output=tmp_path / "unused.gguf", quant="Q4_K_M",
+                                   calib=(str(calib),), n_threads=2)
+    imatrix, key = pipeline.cached_imatrix(tiny_f16, opts, tmp_path, None)
+    costs = pipeline.cached_costs(tiny_f16, imatrix, key, opts, tmp_path, None)
+    measured = pipeline.cached_gains(tiny_f16, imatrix, key, costs, opts, tmp_path, None)
+    assert set(measured) == {gains.role_of(c.name) for c in costs} and all(g > 0 for g in measured.values())
+    assert not (tmp_path / "probe" / "probe.gguf").exists()  # probes are removed
+
+    pair = {c.name: gains.probe_type(c) for c in costs
+            if gains.role_of(c.name) in ("attn_v.weight", "ffn_down.weight")}
+    predicted = sum(measured[gains.role_of(c.name)] * c.errors[pair[c.name]] for c in costs if c.name in pair)
+    reference = Reference(tiny_f16, calib.read_text(), n_ctx=512, max_chunks=gains.PROBE_CHUNKS, n_threads=2)
+    base = quantize(tiny_f16, tmp_path / "base.gguf", ftype=gains.PROBE_BASE, overrides={}, imatrix=imatrix)
+    both = quantize(tiny_f16, tmp_path / "both.gguf", ftype=gains.PROBE_BASE, overrides=pair, imatrix=imatrix)
+    rise = reference.compare(both).kld_mean - reference.compare(base).kld_mean
+    print(f"KLD rise {rise:.5f}, predicted {predicted:.5f}")
+    assert 0.6 * predicted < rise < 1.6 * predicted

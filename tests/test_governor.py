@@ -175,6 +175,8 @@ def states(draw):
         verify_s=table,
         plain_rounds=draw(st.integers(0, 600)),
         drafted_rounds=draw(st.integers(0, 10)),
+        warm_rounds=draw(st.integers(1, gov.WARM_ROUNDS)),
+        catch_up_s=draw(st.one_of(st.none(), st.floats(0.0, 0.05))),
         probe_every=draw(st.sampled_from([8, 16, 32, 64, 128, 256])),
         k_max=draw(st.integers(0, 10)),
     )
@@ -190,13 +192,14 @@ def test_choose_respects_caps_and_only_drafts_when_it_pays(s, available):
     if cap == 0 or plain is None:
         assert k == 0
         return
-    if s.draft_step_s is None or len(s.verify_s) < 2 or s.drafted_rounds < gov.WARM_ROUNDS:
+    if s.draft_step_s is None or len(s.verify_s) < 2 or s.drafted_rounds < s.warm_rounds:
         assert k == min(2, cap)  # measuring the draft
         return
     rates = {j: rate(s, j) for j in range(1, cap + 1)}
     best = max((r for r in rates.values() if r is not None), default=None)
     perfect = [rate(replace(s, alpha=1.0), j) or 0.0 for j in range(1, cap + 1)]
-    probe = s.plain_rounds >= s.probe_every and max(perfect) > plain  # never probe a hopeless draft
+    probe = (s.plain_rounds >= s.probe_every and max(perfect) > plain  # never probe a hopeless draft
+             and (s.catch_up_s or 0.0) * plain <= gov.PROBE_COST_MAX)  # ... nor where catch-up costs too much
     if best is None or best <= plain:
         assert k == (1 if probe else 0)
     else:

@@ -155,3 +155,16 @@ def test_rejection_rule_accepts_more_than_sample_and_compare(target_model, small
             rates[rule] = acc / drafted
     print(f"acceptance at T=0.7: rejection rule {rates['rejection']:.3f}, sample-and-compare {rates['match']:.3f}")
     assert rates["rejection"] > rates["match"]
+
+
+def test_a_draft_that_cannot_win_is_judged_at_load_and_never_run(small_model):
+    """The model as its own draft: a draft step costs a target step, so no k can beat plain
+    decoding. The runner times both at load; the first reply must not spend a single draft
+    decode (not even the draft's prompt prefill), and the stats say why."""
+    with Runner(small_model, SETTINGS, draft=str(small_model)) as r:
+        state = r.spec.governors["model"]
+        assert state.draft_step_s > 0 and dict(state.verify_s).keys() == {1, 3, 5}
+        tokens, _, rounds = _run(r.ctx, r.chat_tokens(_user(PROMPTS[0])), GREEDY, 32, r.spec)
+        assert len(tokens) == 32
+        assert r.draft_ctx.n_past == 0 and sum(x.drafted for x in rounds) == 0
+        assert "even 100% acceptance cannot beat plain" in rounds[-1].decided

@@ -1,5 +1,5 @@
-"""`edgerun convert` end to end: SRC -> F16 GGUF -> importance matrix -> per-tensor errors -> plan
--> llama.cpp quantize -> quality report.
+"""`edgerun convert` end to end: SRC -> F16 GGUF -> importance matrix -> per-tensor errors -> each
+role's measured KLD per unit of error -> plan -> llama.cpp quantize -> quality report.
 
 Every intermediate lives in a work dir under edgerun's cache, named by a hash of its inputs, and
 is written atomically, so an interrupted or repeated run redoes only what is missing."""
@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import gguf
 
 from edgerun import paths
+from edgerun.convert import gains
 from edgerun.convert import plan as planner
 from edgerun.convert import report
 from edgerun.convert.sensitivity import TensorCost
@@ -55,6 +56,7 @@ class ConvertOptions:
     n_ctx: int = 512
     calib_chunks: int | None = None
     types: tuple[str, ...] = CANDIDATE_TYPES
+    weigh: bool = True  # measure each role's KLD per unit of error (gains.py); off: all roles weigh 1
     max_rows: int | None = 256
     n_threads: int | None = None
     work_dir: Path | None = None  # default: <cache>/convert
@@ -119,6 +121,11 @@ def convert(opts: ConvertOptions, *, progress: Progress | None = None) -> report
         imatrix, imatrix_key = cached_imatrix(f16, opts, work, progress)
     with clock("sensitivity"):
         costs = cached_costs(f16, imatrix, imatrix_key, opts, work, progress)
+    role_gains = None
+    if opts.weigh:
+        with clock("weigh"):
+            role_gains = cached_gains(f16, imatrix, imatrix_key, costs, opts, work, progress)
+        costs = gains.weigh(costs, role_gains)
     inventory = inventory_of(f16, {c.name for c in costs})
     with clock("plan"):
         budget, base = _budget(opts, f16, inventory)
@@ -137,6 +144,7 @@ def convert(opts: ConvertOptions, *, progress: Progress | None = None) -> report
         eval_text=str(opts.eval_text), budget_bytes=budget, base_ftype=base,
         plan={"error": chosen.error, "tensor_bytes": chosen.nbytes, "exact": chosen.exact,
               "grain_bytes": chosen.grain, "types": chosen.types},
+        role_gains=role_gains,
         imatrix={"tokens": imatrix.tokens, "chunks": imatrix.chunks},
         timings_s=timings, peak_rss_bytes=peak_rss_bytes(),
     )
@@ -217,6 +225,21 @@ def relative_costs(costs: Sequence[TensorCost]) -> list[TensorCost]:
     gave twice the KLD of the stock recipe, on relative errors a fraction of it."""
     return [dataclasses.replace(c, errors={k: v / c.signal for k, v in c.errors.items()}, signal=1.0)
             for c in costs]
+
+
+def cached_gains(f16: Path, imatrix, imatrix_key: str, costs: Sequence[TensorCost], opts: ConvertOptions,
+                 work: Path, progress: Progress | None) -> dict[str, float]:
+    """Each tensor role's measured KLD per unit of relative error, computed once per input."""
+    key = _key("gains", _file_id(f16), imatrix_key, list(opts.types), opts.max_rows, opts.n_ctx, gains.PROBE_CHUNKS)
+    path = work / f"gains-{key}.json"
+    if path.is_file():
+        if progress:
+            progress("weigh roles (cached)", 1, 1)
+        return json.loads(path.read_text())
+    measured = gains.measure(f16, costs, calibration_text(opts.calib), work=work / "probe", imatrix=imatrix,
+                             n_ctx=opts.n_ctx, n_threads=opts.n_threads, progress=progress)
+    report.write_text_atomic(path, json.dumps(measured, indent=1))
+    return measured
 
 
 def _cost_from_json(d: dict) -> TensorCost:

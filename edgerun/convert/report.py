@@ -81,6 +81,36 @@ def evaluate_many(ref_gguf: Path, quant_ggufs: Sequence[Path], text: str, *, n_c
     return [acc.result(len(chunks)) for acc in accs]
 
 
+class Reference:
+    """The reference model's logits on a text, computed once, then compared with quantizations one
+    at a time (only one quantized model is loaded at once). Holds chunks x n_ctx/2 x n_vocab
+    floats: meant for a few chunks (about 150 MB each for a 152K vocabulary)."""
+
+    def __init__(self, ref_gguf: Path, text: str, *, n_ctx: int = 512, max_chunks: int | None = None,
+                 n_threads: int | None = None):
+        from edgerun.runtime.engine import Context, Model
+        from edgerun.settings import EngineSettings
+
+        self.engine = EngineSettings().replace(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=n_threads)
+        self.first = n_ctx // 2
+        with Model(ref_gguf) as ref, Context(ref, self.engine) as ctx:
+            self.n_vocab = ref.n_vocab
+            self.chunks = _chunks(ref, text, n_ctx, max_chunks)
+            self.logits = [_chunk_logits(ctx, chunk, self.first) for chunk in self.chunks]
+
+    def compare(self, quant_gguf: Path) -> Quality:
+        from edgerun.runtime.engine import Context, Model
+
+        acc = _Accumulator()
+        with Model(quant_gguf) as quant, Context(quant, self.engine) as ctx:
+            if quant.n_vocab != self.n_vocab:
+                raise ConvertError(f"{quant_gguf} has {quant.n_vocab} tokens but the reference has {self.n_vocab}; "
+                                   "compare a model only with its own quantizations")
+            for chunk, ref_logits in zip(self.chunks, self.logits):
+                acc.add(ref_logits, _chunk_logits(ctx, chunk, self.first), np.asarray(chunk[self.first + 1:]))
+        return acc.result(len(self.chunks))
+
+
 def _chunks(model, text: str, n_ctx: int, max_chunks: int | None) -> list[list[int]]:
     tokens = model.tokenize(text, add_special=False, parse_special=False)
     body = n_ctx - 1 if model.add_bos else n_ctx

@@ -12,7 +12,8 @@ PRIOR_ALPHA = 0.6    # acceptance assumed before any draft was verified
 PRIOR_TRIALS = 1.0   # ... worth this many accept/reject decisions
 PROBE_FIRST = 8      # plain rounds before re-checking a draft that lost
 PROBE_MAX = 256      # ... growing up to this while it keeps losing
-WARM_ROUNDS = 3      # drafted rounds measured before costs may rule the draft out (first ones are cold)
+PROBE_COST_MAX = 0.02  # a re-check may cost at most this share of plain decoding time in draft catch-up
+WARM_ROUNDS = 3      # drafted rounds measured before costs may rule a GPU draft out (first shapes run cold)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class GovernorState:
     k_max: int = K_MAX
     decided: str = "starting: measuring plain decoding"
     drafted_rounds: int = 0         # rounds with drafts so far (the first ones run cold)
+    warm_rounds: int = WARM_ROUNDS  # ... measured before costs may rule the draft out (1 on a CPU)
+    catch_up_s: float | None = None  # draft prefill per token: what re-checking costs after a plain stretch
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -70,7 +73,7 @@ def choose(state: GovernorState, available: int | None = None) -> tuple[int, str
     plain = rate(state, 0)
     if plain is None:
         return 0, "measuring plain decoding"
-    if state.draft_step_s is None or len(state.verify_s) < 2 or state.drafted_rounds < WARM_ROUNDS:
+    if state.draft_step_s is None or len(state.verify_s) < 2 or state.drafted_rounds < state.warm_rounds:
         return min(2, k_cap), "measuring the draft"
     best_k, best = 0, plain
     for k in range(1, k_cap + 1):
@@ -80,6 +83,10 @@ def choose(state: GovernorState, available: int | None = None) -> tuple[int, str
     if best_k == 0 and hopeless(state, k_cap, plain):
         return 0, f"draft off: even 100% acceptance cannot beat plain {plain:.1f} tok/s here"
     if best_k == 0 and state.plain_rounds >= state.probe_every:
+        share = catch_up_share(state, plain)
+        if share > PROBE_COST_MAX:
+            return 0, (f"draft off: plain {plain:.1f} tok/s wins, and re-checking the draft would cost"
+                       f" {share:.0%} of decoding time in catch-up")
         return 1, f"re-checking the draft (plain wins: {plain:.1f} tok/s)"
     if best_k == 0:
         return 0, f"draft off: plain {plain:.1f} tok/s beats any k (acceptance {state.alpha:.0%})"
@@ -93,9 +100,23 @@ def choose(state: GovernorState, available: int | None = None) -> tuple[int, str
 def new_reply(state: GovernorState) -> GovernorState:
     """Carry the measured costs into a new reply, but not the acceptance: how often a draft is
     right depends on the text (a code edit repeats its prompt, a story does not)."""
-    fresh = GovernorState(k_max=state.k_max)
+    fresh = GovernorState(k_max=state.k_max, warm_rounds=state.warm_rounds)
     return replace(fresh, draft_step_s=state.draft_step_s, verify_s=state.verify_s,
-                   drafted_rounds=state.drafted_rounds)
+                   drafted_rounds=state.drafted_rounds, catch_up_s=state.catch_up_s)
+
+
+def catch_up_share(state: GovernorState, plain: float) -> float:
+    """The share of plain decoding time a re-check costs: after a plain stretch the draft must
+    prefill every token it missed, at catch_up_s each, against 1/plain seconds per plain token.
+    Longer stretches between re-checks do not help: the catch-up grows with them. 0 while unknown."""
+    return (state.catch_up_s or 0.0) * plain
+
+
+def caught_up(state: GovernorState, tokens: int, seconds: float) -> GovernorState:
+    """Fold one draft catch-up (tokens prefilled in seconds) into the state."""
+    if tokens <= 0:
+        return state
+    return replace(state, catch_up_s=_cost_ema(state.catch_up_s, seconds / tokens))
 
 
 def hopeless(state: GovernorState, k_cap: int, plain: float) -> bool:

@@ -13,6 +13,10 @@ from edgerun.runtime.engine import Context
 DEFAULT_P_MIN = 0.2  # stop drafting when the draft gives its own pick under 20%: likely rejected
 PLAIN_STEPS = 16  # a plain stretch decodes up to this many tokens per native call
 PLAIN_BUDGET_S = 0.05  # ... returning within about this long, so a stop request lands quickly
+# The draft lags the target by a token or two after most rounds (the last accepted draft, which it
+# proposed but never evaluated). A lag up to this long goes into the round's first draft batch, so
+# the governor sees it as drafting cost; a longer one (the prompt, a plain stretch) is prefill.
+FEED_MAX = governor.K_MAX + 2
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,12 @@ class Speculator:
         if self.ngram:
             self.ngram.reset(prompt)
         self.gov = cfg.governors
+        # a GPU's first batch shapes run cold, so its draft gets a few rounds before costs count;
+        # on a CPU the first round already shows the cost
+        on_gpu = target.model.n_gpu_layers > 0 or (cfg.draft is not None and cfg.draft.model.n_gpu_layers > 0)
+        fresh = governor.GovernorState(warm_rounds=governor.WARM_ROUNDS if on_gpu else 1)
         for name in ("model", "ngram"):
-            self.gov[name] = governor.new_reply(self.gov.get(name, governor.GovernorState()))
+            self.gov[name] = governor.new_reply(self.gov.get(name, fresh))
         self._pending: tuple[str, int, str] = ("none", 0, "")
         self._catch_up_s = 0.0
 
@@ -63,11 +71,19 @@ class Speculator:
         """Bring the draft's KV to the committed sequence; return (feed, its start position)."""
         draft = self.cfg.draft
         start = time.perf_counter()
-        # everything committed before `last` is what the target's cache holds; a long catch-up
-        # (the prompt) goes in n_batch chunks, and the native round feeds `last` itself
-        draft.sync(self.target.tokens)
-        self._catch_up_s = time.perf_counter() - start  # drafting's cost too: the governor counts it
-        return [last], draft.n_past
+        # everything committed before `last` is what the target's cache holds. A short lag rides in
+        # the native round's first draft batch with `last`; a long one goes in n_batch chunks here
+        keep = draft.shared_prefix(self.target.tokens)
+        lag = len(self.target.tokens) - keep
+        if lag > FEED_MAX:
+            draft.sync(self.target.tokens)
+            keep = draft.n_past
+        else:
+            draft.trim(keep)
+        self._catch_up_s = time.perf_counter() - start  # prefill work: the stats show it
+        if lag > FEED_MAX:  # ... and the governor weighs it against re-checking a losing draft
+            self.gov["model"] = governor.caught_up(self.gov["model"], lag, self._catch_up_s)
+        return self.target.tokens[keep:] + [last], keep
 
     def _plain_steps(self, remaining: int) -> int:
         """How many plain tokens one native call may decode: one while an n-gram match could start

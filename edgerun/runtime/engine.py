@@ -200,6 +200,10 @@ class Context:
                 raise EngineError(f"llama_decode failed with code {rc}")
             self.tokens.extend(chunk)
 
+    def shared_prefix(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` the cache already holds."""
+        return _common_prefix(self.tokens, tokens)
+
     def sync(self, tokens: list[int], *, need_logits: bool = False) -> int:
         """Make the cache hold exactly `tokens`, reusing the longest common prefix; with
         need_logits the last token is evaluated even if cached. Returns how many were evaluated."""
