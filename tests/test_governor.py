@@ -315,3 +315,16 @@ def test_a_cold_first_measurement_does_not_rule_the_draft_out():
         s = update(s, k=2, drafted=2, accepted=2, draft_s=CHEAP.draft_s(2), verify_s=CHEAP.verify_s(3), decided="")
     k, why = choose(s)
     assert k > 0, why
+
+
+def test_a_draft_that_must_catch_up_drafts_only_when_the_reply_left_can_pay_for_it():
+    """Drafting wins 25% here, but the draft first has to prefill 300 missed tokens at 8 ms each
+    (2.4 s): with 16 tokens left that never pays back; with 512 left it does."""
+    s = GovernorState(alpha=0.9, draft_step_s=0.01, verify_s=((1, 0.08), (3, 0.09), (5, 0.1)),
+                      catch_up_s=0.008, drafted_rounds=gov.WARM_ROUNDS)
+    k_free, _ = choose(s)
+    assert k_free > 0
+    k, why = choose(s, lag=300, horizon=16)
+    assert k == 0 and "catching up 300 tokens" in why
+    assert choose(s, lag=300, horizon=512)[0] > 0
+    assert choose(s, lag=0, horizon=16)[0] == k_free

@@ -65,8 +65,11 @@ def rate(state: GovernorState, k: int) -> float | None:
     return expected_tokens(state.alpha, k) / cost if cost > 0 else None
 
 
-def choose(state: GovernorState, available: int | None = None) -> tuple[int, str]:
-    """k for the next round and why. `available` caps k (an n-gram drafter's proposal length)."""
+def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
+           horizon: int | None = None) -> tuple[int, str]:
+    """k for the next round and why. `available` caps k (an n-gram drafter's proposal length);
+    `lag`: tokens the draft must prefill before it can draft (its prompt, a plain stretch);
+    `horizon`: tokens the reply may still produce, over which drafting must win that back."""
     k_cap = state.k_max if available is None else min(state.k_max, available)
     if k_cap == 0:
         return 0, "no draft available: plain step"
@@ -90,6 +93,12 @@ def choose(state: GovernorState, available: int | None = None) -> tuple[int, str
         return 1, f"re-checking the draft (plain wins: {plain:.1f} tok/s)"
     if best_k == 0:
         return 0, f"draft off: plain {plain:.1f} tok/s beats any k (acceptance {state.alpha:.0%})"
+    if lag and state.catch_up_s and horizon is not None:
+        # the catch-up is paid now; drafting wins (1/plain - 1/best) seconds per token from then on
+        cost, win = lag * state.catch_up_s, horizon * (1 / plain - 1 / best)
+        if cost >= win:
+            return 0, (f"draft off: catching up {lag} tokens costs {cost:.2f} s, more than k={best_k}"
+                       f" would win in the {horizon} tokens left ({win:.2f} s)")
     measured = dict(state.verify_s)
     if best_k < k_cap and best_k + 2 not in measured:
         # the cost of a longer draft is only extrapolated so far: measure it once

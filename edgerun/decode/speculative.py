@@ -61,11 +61,15 @@ class Speculator:
         self._pending: tuple[str, int, str] = ("none", 0, "")
         self._catch_up_s = 0.0
 
-    def _choose(self, name: str, available: int | None) -> tuple[int, str]:
+    def _choose(self, name: str, available: int | None, remaining: int | None = None) -> tuple[int, str]:
         if self.cfg.k is not None:
             k = self.cfg.k if available is None else min(self.cfg.k, available)
             return k, f"fixed k={self.cfg.k}"
-        return governor.choose(self.gov[name], available)
+        lag = 0
+        if name == "model":  # tokens the draft would prefill before drafting (a short lag rides along)
+            lag = len(self.target.tokens) - self.cfg.draft.shared_prefix(self.target.tokens)
+            lag = lag if lag > FEED_MAX else 0
+        return governor.choose(self.gov[name], available, lag=lag, horizon=remaining)
 
     def _prepare_draft(self, last: int) -> tuple[list[int], int]:
         """Bring the draft's KV to the committed sequence; return (feed, its start position)."""
@@ -112,7 +116,7 @@ class Speculator:
                 self._pending = ("ngram", k, why)
                 return args | dict(k=k, proposals=proposals[:k])
         if self.cfg.draft is not None:
-            k, why = self._choose("model", None)
+            k, why = self._choose("model", None, remaining)
             self._pending = ("model", k, why)
             if k > 0:
                 feed, n_past = self._prepare_draft(last)
