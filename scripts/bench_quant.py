@@ -6,7 +6,7 @@ converted once by edgerun), one code imatrix shared by both sides:
   - llama.cpp's stock Q3_K_M and Q2_K (with that imatrix) vs edgerun's plan at the same tensor
     bytes (so the same file size to well under 1%): size, mean KLD against the F16, top-1
     agreement and perplexity on held-out code, and KLD_edgerun / KLD_stock (goal <= 0.85);
-  - the plan at the Q3_K_M size calibrated on code vs on prose, both evaluated on code;
+  - the plan at both sizes calibrated on code vs on prose, all evaluated on code;
   - `edgerun convert` from the HF directory (a subprocess, from scratch): wall time per step and
     peak RSS.
 
@@ -87,7 +87,7 @@ def _tensor_bytes(path: Path) -> int:
 
 def _variants(f16: Path, work: Path, opts: pipeline.ConvertOptions, bar) -> dict[str, Path]:
     """Stock Q3_K_M / Q2_K and edgerun's plans at their sizes, all with the code imatrix; plus the
-    plan at the Q3_K_M size from a prose imatrix."""
+    plans at both sizes from a prose imatrix."""
     from edgerun.convert.quantize import quantize
 
     cache = work / "cache" / "convert"
@@ -107,8 +107,7 @@ def _variants(f16: Path, work: Path, opts: pipeline.ConvertOptions, bar) -> dict
             quantize(f16, stock, ftype=ftype, overrides={}, imatrix=measured["code"][0],
                      n_threads=opts.n_threads, progress=bar)
         out[f"stock {ftype}"] = stock
-        calibs = ("code", "prose") if ftype == "Q3_K_M" else ("code",)
-        for calib in calibs:
+        for calib in ("code", "prose"):
             imatrix, costs = measured[calib]
             chosen = plan.choose(costs, _tensor_bytes(stock), fixed_bytes=inv.fixed_bytes)
             ours = work / f"edgerun-{ftype}-{calib}.gguf"
@@ -136,9 +135,11 @@ def _summary(results: dict[str, dict]) -> list[str]:
         size = ours["size_bytes"] / stock["size_bytes"] - 1
         lines.append(f"{ftype}: KLD edgerun/stock = {ratio:.3f} ({'meets' if ratio <= 0.85 else 'misses'} the 0.85 goal),"
                      f" size difference {size:+.2%}")
-    code, prose = results["edgerun @Q3_K_M (code calib)"], results["edgerun @Q3_K_M (prose calib)"]
-    lines.append(f"calibration on code vs prose, evaluated on code: KLD {code['kld_mean']:.5f} vs {prose['kld_mean']:.5f}"
-                 f" (prose/code = {prose['kld_mean'] / code['kld_mean']:.3f})")
+    for ftype in STOCK:
+        code, prose = results[f"edgerun @{ftype} (code calib)"], results[f"edgerun @{ftype} (prose calib)"]
+        lines.append(f"{ftype} size, calibration on code vs prose, evaluated on code: KLD {code['kld_mean']:.5f}"
+                     f" vs {prose['kld_mean']:.5f} (prose/code = {prose['kld_mean'] / code['kld_mean']:.3f}),"
+                     f" top-1 {code['top1_agreement']:.2%} vs {prose['top1_agreement']:.2%}")
     return lines
 
 
