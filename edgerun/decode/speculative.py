@@ -61,23 +61,22 @@ class Speculator:
         self._pending: tuple[str, int, str] = ("none", 0, "")
         self._catch_up_s = 0.0
 
-    def _choose(self, name: str, available: int | None, remaining: int | None = None) -> tuple[int, str]:
+    def _choose(self, name: str, available: int | None, remaining: int | None = None,
+                lag: int = 0) -> tuple[int, str]:
+        """`lag`: tokens the model draft would prefill before drafting (0 for a short lag, which
+        rides along in the round's batch)."""
         if self.cfg.k is not None:
             k = self.cfg.k if available is None else min(self.cfg.k, available)
             return k, f"fixed k={self.cfg.k}"
-        lag = 0
-        if name == "model":  # tokens the draft would prefill before drafting (a short lag rides along)
-            lag = len(self.target.tokens) - self.cfg.draft.shared_prefix(self.target.tokens)
-            lag = lag if lag > FEED_MAX else 0
-        return governor.choose(self.gov[name], available, lag=lag, horizon=remaining)
+        return governor.choose(self.gov[name], available, lag=lag if lag > FEED_MAX else 0, horizon=remaining)
 
-    def _prepare_draft(self, last: int) -> tuple[list[int], int]:
-        """Bring the draft's KV to the committed sequence; return (feed, its start position)."""
+    def _prepare_draft(self, last: int, keep: int) -> tuple[list[int], int]:
+        """Bring the draft's KV to the committed sequence, of which it holds the first `keep`
+        tokens; return (feed, its start position)."""
         draft = self.cfg.draft
         start = time.perf_counter()
         # everything committed before `last` is what the target's cache holds. A short lag rides in
         # the native round's first draft batch with `last`; a long one goes in n_batch chunks here
-        keep = draft.shared_prefix(self.target.tokens)
         lag = len(self.target.tokens) - keep
         if lag > FEED_MAX:
             draft.sync(self.target.tokens)
@@ -116,10 +115,11 @@ class Speculator:
                 self._pending = ("ngram", k, why)
                 return args | dict(k=k, proposals=proposals[:k])
         if self.cfg.draft is not None:
-            k, why = self._choose("model", None, remaining)
+            keep = self.cfg.draft.shared_prefix(self.target.tokens)  # once per round: O(context)
+            k, why = self._choose("model", None, remaining, lag=len(self.target.tokens) - keep)
             self._pending = ("model", k, why)
             if k > 0:
-                feed, n_past = self._prepare_draft(last)
+                feed, n_past = self._prepare_draft(last, keep)
                 return args | dict(k=k, draft=self.cfg.draft.address, draft_feed=feed, draft_n_past=n_past)
             return args | dict(plain_steps=self._plain_steps(remaining))
         self._pending = ("none", 0, "no drafter")
