@@ -117,22 +117,25 @@ class Runner:
             self.close()
             raise
         self.spec = SpecConfig(draft=self.draft_ctx, ngram=ngram, k=spec_k, rule=rule)
-        if self.draft_ctx is not None and self.plan.gpu_bytes:
-            self._warm_up()
+        if self.plan.gpu_bytes:
+            self._warm_up(speculating=self.draft_ctx is not None or ngram)
         if self.draft_ctx is not None and spec_k is None:
             self.spec.governors["model"] = self._measure_costs()
 
-    def _warm_up(self) -> None:
-        """Run each batch shape a speculative round uses once before the first reply: on a GPU the
-        first decode of a new shape pays for graph capture and kernel selection, and a governor that
-        measured those would judge the draft on them."""
+    def _warm_up(self, *, speculating: bool) -> None:
+        """Run each batch shape the replies will use once before the first reply, as llama.cpp's
+        own tools do at load: on a GPU the first decode of a new shape pays for graph capture and
+        kernel selection (milliseconds, against a step of about one), which would otherwise land
+        in the first reply's speed and in a governor's first measurements."""
         token = self.model.bos if self.model.bos >= 0 else 0
-        for n in range(1, governor.K_MAX + 2):
+        widest = governor.K_MAX + 1 if speculating else 1  # verify batches: last + up to K_MAX drafts
+        for n in (1, *range(1, widest + 1)):  # the single-token step twice: it is nearly every step
             self.ctx.eval([token] * n, all_logits=True)
             self.ctx.trim(0)
-        for _ in range(2):
-            self.draft_ctx.eval([token])
-        self.draft_ctx.trim(0)
+        if self.draft_ctx is not None:
+            for _ in range(2):
+                self.draft_ctx.eval([token])
+            self.draft_ctx.trim(0)
 
     def _measure_costs(self) -> governor.GovernorState:
         """Time a plain step, two verify batches and a draft step before the first reply, so the

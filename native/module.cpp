@@ -194,6 +194,11 @@ PYBIND11_MODULE(_native, m) {
         .def("next", &Rng::next)
         .def("uniform", &Rng::uniform);
 
+    m.def("argmax", [](FloatArray x) { return argmax(x.data(), static_cast<int>(x.size())); }, py::arg("logits"));
+    m.def("top_share_reaches", [](FloatArray logits, int32_t x, double p_min) {
+        if (x < 0 || x >= logits.size()) throw std::invalid_argument("token id out of range");
+        return top_share_reaches(logits.data(), static_cast<int>(logits.size()), x, p_min);
+    }, py::arg("logits"), py::arg("token"), py::arg("p_min"));
     m.def("distribution", &py_distribution, py::arg("logits"), py::arg("history"), py::arg("params"));
     m.def("sample_dense", [](FloatArray probs, double u) {
         std::vector<float> v(probs.data(), probs.data() + probs.size());

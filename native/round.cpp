@@ -41,14 +41,7 @@ llama_token draft_choice(const float* logits, int n_vocab, const std::vector<int
                          const RoundInput& in, Rng& rng, std::vector<float>& dist, bool& confident) {
     if (in.params.greedy()) {
         const llama_token x = greedy_pick(logits, n_vocab, history, in.params);
-        confident = true;
-        if (in.p_min > 0) {
-            // confidence: the pick's probability under the temperature-1 softmax, one pass (no sort)
-            double z = 0;
-            const float top = logits[x];
-            for (int t = 0; t < n_vocab; ++t) z += std::exp(static_cast<double>(logits[t]) - top);
-            confident = 1.0 / z >= in.p_min;
-        }
+        confident = top_share_reaches(logits, n_vocab, x, in.p_min);
         return x;
     }
     distribution(logits, n_vocab, history, in.params, dist);

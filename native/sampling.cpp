@@ -48,24 +48,42 @@ void apply_penalty(float* logits, int n_vocab, const std::vector<int32_t>& histo
     }
 }
 
+namespace {
+
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+v4 load4(const float* x) {
+    v4 v;
+    std::memcpy(&v, x, sizeof v);
+    return v;
+}
+
+bool any(v4i m) {
+    uint64_t w[2];
+    std::memcpy(w, &m, sizeof w);
+    return (w[0] | w[1]) != 0;
+}
+
+// Whether any of x[i..i+16) satisfies x >= at (NaN never does).
+bool block_reaches(const float* x, const v4 at) {
+    return any((load4(x) >= at) | (load4(x + 4) >= at) | (load4(x + 8) >= at) | (load4(x + 12) >= at));
+}
+
+}  // namespace
+
 int32_t argmax(const float* x, int n) {
-    // Four independent 4-wide running maxima, then the first index holding the maximum.
-    // std::max_element's data-dependent branch ran at ~3 ns per logit; this runs at memory speed,
-    // which matters when a GPU decode step takes about a millisecond.
-    typedef float v4 __attribute__((vector_size(16)));
+    // Pass 1: four independent 4-wide running maxima (std::max_element's data-dependent branch ran
+    // at ~3 ns per logit). Pass 2: the first 16-block holding the maximum, then its first index.
+    // Both run at memory speed (~20 us for 151,936 logits vs up to ~120 us for a scalar second
+    // pass), which matters when a GPU decode step takes about a millisecond.
     if (n <= 0) return 0;
     float best = x[0];
     int i = 0;
     if (n >= 16) {
-        v4 m0, m1, m2, m3;
-        std::memcpy(&m0, x, sizeof m0);
-        m1 = m2 = m3 = m0;
+        v4 m0 = load4(x), m1 = m0, m2 = m0, m3 = m0;
         for (; i + 16 <= n; i += 16) {
-            v4 a, b, c, d;
-            std::memcpy(&a, x + i, sizeof a);
-            std::memcpy(&b, x + i + 4, sizeof b);
-            std::memcpy(&c, x + i + 8, sizeof c);
-            std::memcpy(&d, x + i + 12, sizeof d);
+            const v4 a = load4(x + i), b = load4(x + i + 4), c = load4(x + i + 8), d = load4(x + i + 12);
             m0 = a > m0 ? a : m0;
             m1 = b > m1 ? b : m1;
             m2 = c > m2 ? c : m2;
@@ -77,9 +95,49 @@ int32_t argmax(const float* x, int n) {
         for (int j = 0; j < 4; ++j) best = m0[j] > best ? m0[j] : best;
     }
     for (; i < n; ++i) best = x[i] > best ? x[i] : best;
-    for (int j = 0; j < n; ++j)
+    const v4 at = {best, best, best, best};
+    int j = 0;
+    while (j + 16 <= n && !block_reaches(x + j, at)) j += 16;
+    for (; j < n; ++j)
         if (x[j] == best) return j;  // first of equal maxima
     return static_cast<int32_t>(std::max_element(x, x + n) - x);  // only NaNs: keep the old rule
+}
+
+bool top_share_reaches(const float* logits, int n, int32_t x, double p_min) {
+    // p(x) >= p_min  <=>  z = sum_t exp(l_t - l_x) <= 1 / p_min. Terms more than SKIP below l_x
+    // add under exp(-SKIP) each, so whole 16-blocks below that line are only counted, not
+    // exponentiated: one vector compare per 16 logits instead of 16 double exps (~1 ms per draft
+    // token at Qwen's vocabulary). Their count bounds what they add; only when that bound could
+    // flip the answer (p(x) within ~1e-4 of p_min) is the full sum taken.
+    if (p_min <= 0) return true;
+    constexpr float SKIP = 20.0f;
+    const double limit = 1.0 / p_min;
+    const float top = logits[x];
+    const float cut = top - SKIP;
+    const v4 at = {cut, cut, cut, cut};
+    double z = 0;
+    long skipped = 0;
+    int t = 0;
+    auto add = [&](int from, int to) {
+        for (int u = from; u < to; ++u) {
+            if (logits[u] >= cut) z += std::exp(static_cast<double>(logits[u]) - top);
+            else ++skipped;
+        }
+    };
+    for (; t + 16 <= n; t += 16) {
+        if (!block_reaches(logits + t, at)) {
+            skipped += 16;
+            continue;
+        }
+        add(t, t + 16);
+        if (z > limit) return false;  // z only grows
+    }
+    add(t, n);
+    if (z > limit) return false;
+    if (z + static_cast<double>(skipped) * std::exp(-static_cast<double>(SKIP)) <= limit) return true;
+    double full = 0;  // on the edge: the exact sum
+    for (int u = 0; u < n; ++u) full += std::exp(static_cast<double>(logits[u]) - top);
+    return full <= limit;
 }
 
 bool penalty_active(const std::vector<int32_t>& history, const SamplerParams& p) {

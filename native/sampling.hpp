@@ -33,7 +33,11 @@ class Rng {
 // entries are divided by the penalty when positive, multiplied when negative.
 void apply_penalty(float* logits, int n_vocab, const std::vector<int32_t>& history, const SamplerParams& p);
 
+// The first index of the largest value.
 int32_t argmax(const float* x, int n);
+
+// Whether token x's probability under the temperature-1 softmax of logits is at least p_min.
+bool top_share_reaches(const float* logits, int n, int32_t x, double p_min);
 
 // argmax after the repetition penalty; reads the logits in place when no penalty applies.
 int32_t greedy_pick(const float* logits, int n_vocab, const std::vector<int32_t>& history, const SamplerParams& p);

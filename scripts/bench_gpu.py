@@ -4,6 +4,7 @@
   bench_gpu.py shapes DIR                 random-weight Q4_K_M models with Qwen2.5's real shapes
   bench_gpu.py throughput DIR --llama-bench BIN   decode tok/s, fully on the GPU, ratio + HBM use
   bench_gpu.py offload DIR --llama-bench BIN      7B half on the GPU, 1.5B all on the CPU
+  bench_gpu.py probe DIR --llama-bench BIN        where a decode step's time goes (native loop vs run)
   bench_gpu.py spec TARGET DRAFT           the real pair: plain vs speculative, GPU and CPU+GPU
 
 Decode speed does not depend on weight values, so throughput uses random weights with the real
@@ -232,6 +233,55 @@ def cmd_offload(args) -> dict:
     return results
 
 
+def _native_loop(model, settings, tokens: list[int], reps: int = 3) -> float:
+    """Median tok/s of GEN greedy decode steps inside one native call (decode, argmax, repeat):
+    edgerun's plain stretch without any Python between tokens."""
+    import llama_cpp
+
+    from edgerun import _native
+    from edgerun.decode.generate import native_params
+    from edgerun.runtime.engine import Context
+    from edgerun.settings import SamplerSettings
+
+    params = native_params(SamplerSettings(temperature=0.0))
+    rng = _native.Rng(0)
+    rates = []
+    with Context(model, settings) as ctx:
+        for _ in range(reps + 1):  # the first call also pays the single-token shape's graph capture
+            ctx.prefill(tokens)
+            last = _native.sample_context(ctx.address, -1, [], params, rng)
+            r = _native.round(target=ctx.address, draft=0, draft_feed=[], draft_n_past=0, last=last,
+                              target_n_past=ctx.n_past, k=0, p_min=0.0, proposals=[], history=[], params=params,
+                              rule="rejection", rng=rng, plain_steps=GEN, plain_budget_s=60.0)
+            rates.append((1 + len(r["more"])) / r["verify_s"])
+            llama_cpp.llama_memory_seq_rm(ctx.mem, 0, len(tokens), -1)  # the loop's tokens were never recorded
+    return statistics.median(rates[1:])
+
+
+def cmd_probe(args) -> dict:
+    """Where a decode step's time goes, against llama-bench's tg128: edgerun's native plain loop
+    (llama_decode + argmax, no Python) at the CLI's 4096-token context and at llama-bench's small
+    one, and the whole `edgerun run` path. One shape fully on the GPU, one on the CPU."""
+    from edgerun.runtime.engine import Model
+    from edgerun.settings import EngineSettings
+
+    results = {}
+    for label, name, ngl, threads in (("gpu", "0.5b", 99, None), ("cpu", "1.5b", 0, args.threads)):
+        path = args.dir / f"shape-{name}-q4_k_m.gguf"
+        row = {"llama_bench": llama_bench(args.llama_bench, path, ngl=ngl, threads=threads)}
+        extra = {"n_threads": threads} if threads else {}
+        with Model(path, n_gpu_layers=ngl) as model:
+            tokens = model.tokenize(PROMPT, add_special=True)
+            for n_ctx in (4096, 256):
+                row[f"native_loop_ctx{n_ctx}"] = _native_loop(model, EngineSettings(n_ctx=n_ctx, **extra), tokens)
+        place = ["--gpu-layers", str(ngl)] + (["--threads", str(threads)] if threads else [])
+        row["edgerun_run"] = edgerun_run(path, *place)["decode_tok_s"]
+        results[f"{name}_{label}"] = row
+        print(f"{name} on {label}: " + ", ".join(f"{k} {v:.1f} tok/s ({v / row['llama_bench']:.3f})"
+                                                for k, v in row.items()), flush=True)
+    return results
+
+
 def cmd_spec(args) -> dict:
     results = {}
     scenarios = {
@@ -258,7 +308,7 @@ def main() -> None:
     p = sub.add_parser("shapes")
     p.add_argument("dir", type=Path)
     p.add_argument("--which", default="0.5b,1.5b,7b")
-    for name in ("throughput", "offload"):
+    for name in ("throughput", "offload", "probe"):
         p = sub.add_parser(name)
         p.add_argument("dir", type=Path)
         p.add_argument("--llama-bench", required=True)
@@ -271,7 +321,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2)
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
-    out = {"shapes": cmd_shapes, "throughput": cmd_throughput, "offload": cmd_offload, "spec": cmd_spec}[args.cmd](args)
+    out = {"shapes": cmd_shapes, "throughput": cmd_throughput, "offload": cmd_offload, "probe": cmd_probe,
+           "spec": cmd_spec}[args.cmd](args)
     if args.json and out:
         args.json.write_text(json.dumps(out, indent=2))
 

@@ -393,3 +393,55 @@ def test_distribution_refuses_greedy_params():
     native, _ = make_params(0.0)
     with pytest.raises(ValueError):
         _native.distribution(np.zeros(5, np.float32), [], native)
+
+
+# ---------------------------------------------------------------- argmax and the draft's confidence
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 47, 1000, 151_936])
+def test_argmax_returns_the_first_of_equal_maxima_wherever_they_sit(n):
+    gen = np.random.default_rng(n)
+    for _ in range(20):
+        x = random_logits(gen, n)
+        assert _native.argmax(x) == int(np.argmax(x))
+        ties = np.sort(gen.choice(n, size=min(n, 3), replace=False))
+        x[ties] = x.max() + 1.0  # equal maxima: the lowest index wins, as in NumPy
+        assert _native.argmax(x) == ties[0]
+    tail = np.zeros(n, dtype=np.float32)
+    tail[-1] = 1.0  # past the last whole 16-block
+    assert _native.argmax(tail) == n - 1
+
+
+def _share(logits: np.ndarray, x: int) -> float:
+    l = logits.astype(np.float64)
+    return 1.0 / np.exp(l - l[x]).sum()
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0])
+def test_the_drafts_confidence_check_matches_the_softmax(scale):
+    gen = np.random.default_rng(int(scale * 10))
+    checked = {True: 0, False: 0}
+    for _ in range(60):
+        logits = random_logits(gen, int(gen.choice([50, 4096, 151_936])), scale)
+        x = int(np.argmax(logits))
+        if gen.random() < 0.5:  # a peaked row, as a confident draft gives
+            logits[x] += float(gen.uniform(0, 25))
+        p = _share(logits, x)
+        for p_min in (0.05, 0.2, 0.5, 0.9):
+            if abs(p - p_min) < 1e-9:
+                continue
+            got = _native.top_share_reaches(logits, x, p_min)
+            assert got == (p >= p_min), (p, p_min)
+            checked[got] += 1
+    assert min(checked.values()) > 20  # both answers exercised
+
+
+def test_the_confidence_check_is_exact_where_skipped_logits_decide_it():
+    # The pick at 0 and 151,935 logits at -20.5: each one skipped as negligible, yet together they
+    # take p(pick) to 0.99981. A bound that ignored them would answer yes to 0.9999.
+    logits = np.full(151_936, -20.5, dtype=np.float32)
+    logits[7] = 0.0
+    p = _share(logits, 7)
+    assert 0.9997 < p < 0.9999
+    assert _native.top_share_reaches(logits, 7, 0.9997)
+    assert not _native.top_share_reaches(logits, 7, 0.9999)
+    assert _native.top_share_reaches(logits, 7, 0.0)

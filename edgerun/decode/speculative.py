@@ -11,7 +11,7 @@ from edgerun.decode.ngram import NgramDrafter
 from edgerun.runtime.engine import Context
 
 DEFAULT_P_MIN = 0.2  # stop drafting when the draft gives its own pick under 20%: likely rejected
-PLAIN_STEPS = 16  # a plain stretch decodes up to this many tokens per native call
+PLAIN_STEPS = 64  # a plain stretch decodes up to this many tokens per native call
 PLAIN_BUDGET_S = 0.05  # ... returning within about this long, so a stop request lands quickly
 # The draft lags the target by a token or two after most rounds (the last accepted draft, which it
 # proposed but never evaluated). A lag up to this long goes into the round's first draft batch, so
