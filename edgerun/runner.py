@@ -138,14 +138,14 @@ class Runner:
             self.draft_ctx.trim(0)
 
     def _measure_costs(self) -> governor.GovernorState:
-        """Time a plain step, two verify batches and a draft step before the first reply, so the
+        """Time a plain step, every verify batch and a draft step before the first reply, so the
         governor judges the draft before paying for it: a draft that cannot win here would
         otherwise cost its prompt prefill and a losing round, more than a short reply wins back."""
         token = self.model.bos if self.model.bos >= 0 else 0
         # (context, tokens, logits for every position): verifies score every position, the
         # draft's catch-up only its last. Shapes take turns, so a stall hits one sample of each
         # rather than every sample of one; the fastest sample counts (noise only adds time).
-        shapes = {("verify", n): (self.ctx, n, True) for n in (1, 3, 5)}
+        shapes = {("verify", n): (self.ctx, n, True) for n in range(1, governor.K_MAX + 2)}
         shapes |= {("draft", 1): (self.draft_ctx, 1, False), ("catch_up", CATCH_UP_PROBE): (self.draft_ctx, CATCH_UP_PROBE, False)}
         best = dict.fromkeys(shapes, float("inf"))
         for _ in range(COST_REPS):
@@ -156,7 +156,7 @@ class Runner:
                 ctx.trim(0)
         warm = governor.WARM_ROUNDS if self.plan.gpu_bytes else 1
         return governor.GovernorState(
-            draft_step_s=best["draft", 1], verify_s=tuple((n, best["verify", n]) for n in (1, 3, 5)),
+            draft_step_s=best["draft", 1], verify_s=tuple((n, best[kind, n]) for kind, n in best if kind == "verify"),
             catch_up_s=best["catch_up", CATCH_UP_PROBE] / CATCH_UP_PROBE,
             drafted_rounds=warm, warm_rounds=warm, decided="costs measured at load")
 

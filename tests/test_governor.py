@@ -328,3 +328,13 @@ def test_a_draft_that_must_catch_up_drafts_only_when_the_reply_left_can_pay_for_
     assert k == 0 and "catching up 300 tokens" in why
     assert choose(s, lag=300, horizon=512)[0] > 0
     assert choose(s, lag=0, horizon=16)[0] == k_free
+
+
+def test_verify_time_follows_a_dip_between_measurements():
+    # llama.cpp's CPU kernels batch 4 tokens at a time: 4 can cost less than 3 (measured on the
+    # 1.5B: 74, 106, 134, 117, 151 ms for 1..5 tokens). A line through the ends would miss it.
+    s = GovernorState(verify_s=((1, 0.074), (3, 0.134), (4, 0.117), (5, 0.151), (9, 0.237)))
+    assert verify_time(s, 4) == 0.117
+    assert verify_time(s, 2) == pytest.approx(0.104)  # between its neighbours 1 and 3
+    assert verify_time(s, 7) == pytest.approx(0.151 + 2 * (0.237 - 0.151) / 4)
+    assert verify_time(s, 11) == pytest.approx(0.074 + 10 * (0.237 - 0.074) / 8)  # beyond: the whole line
