@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from edgerun.errors import ConfigError
@@ -119,8 +120,8 @@ class Runner:
         self.spec = SpecConfig(draft=self.draft_ctx, ngram=ngram, k=spec_k, rule=rule)
         if self.plan.gpu_bytes:
             self._warm_up(speculating=self.draft_ctx is not None or ngram)
-        if self.draft_ctx is not None and spec_k is None:
-            self.spec.governors["model"] = self._measure_costs()
+        if (self.draft_ctx is not None or ngram) and spec_k is None:
+            self.spec.governors.update(self._measure_costs())
 
     def _warm_up(self, *, speculating: bool) -> None:
         """Run each batch shape the replies will use once before the first reply, as llama.cpp's
@@ -137,28 +138,40 @@ class Runner:
                 self.draft_ctx.eval([token])
             self.draft_ctx.trim(0)
 
-    def _measure_costs(self) -> governor.GovernorState:
-        """Time a plain step, every verify batch and a draft step before the first reply, so the
-        governor judges the draft before paying for it: a draft that cannot win here would
-        otherwise cost its prompt prefill and a losing round, more than a short reply wins back."""
+    def _measure_costs(self) -> dict[str, governor.GovernorState]:
+        """Time every verify batch size, and the draft's step and catch-up when there is a draft,
+        before the first reply, so the governors judge drafting before paying for it: a draft that
+        cannot win here would otherwise cost its prompt prefill and a losing round, more than a
+        short reply wins back, and an n-gram drafter would spend its first rounds measuring."""
         token = self.model.bos if self.model.bos >= 0 else 0
         # (context, tokens, logits for every position): verifies score every position, the
         # draft's catch-up only its last. Shapes take turns, so a stall hits one sample of each
         # rather than every sample of one; the fastest sample counts (noise only adds time).
         shapes = {("verify", n): (self.ctx, n, True) for n in range(1, governor.K_MAX + 2)}
-        shapes |= {("draft", 1): (self.draft_ctx, 1, False), ("catch_up", CATCH_UP_PROBE): (self.draft_ctx, CATCH_UP_PROBE, False)}
+        if self.draft_ctx is not None:
+            shapes |= {("draft", 1): (self.draft_ctx, 1, False),
+                       ("catch_up", CATCH_UP_PROBE): (self.draft_ctx, CATCH_UP_PROBE, False)}
+        # On a GPU only the third of three same-shape decodes counts: after a shape change CUDA
+        # runs the graph uncaptured, captures it on the next call and replays it from then on.
+        runs = 3 if self.plan.gpu_bytes else 1
         best = dict.fromkeys(shapes, float("inf"))
         for _ in range(COST_REPS):
             for key, (ctx, n, all_logits) in shapes.items():
-                start = time.perf_counter()
-                ctx.eval([token] * n, all_logits=all_logits)
-                best[key] = min(best[key], time.perf_counter() - start)
-                ctx.trim(0)
+                for _ in range(runs):
+                    start = time.perf_counter()
+                    ctx.eval([token] * n, all_logits=all_logits)
+                    elapsed = time.perf_counter() - start
+                    ctx.trim(0)
+                best[key] = min(best[key], elapsed)
         warm = governor.WARM_ROUNDS if self.plan.gpu_bytes else 1
-        return governor.GovernorState(
-            draft_step_s=best["draft", 1], verify_s=tuple((n, best[kind, n]) for kind, n in best if kind == "verify"),
-            catch_up_s=best["catch_up", CATCH_UP_PROBE] / CATCH_UP_PROBE,
-            drafted_rounds=warm, warm_rounds=warm, decided="costs measured at load")
+        known = governor.GovernorState(verify_s=tuple((n, t) for (kind, n), t in best.items() if kind == "verify"),
+                                       drafted_rounds=warm, warm_rounds=warm, plain_from_load=True,
+                                       decided="costs measured at load")
+        states = {"ngram": replace(known, draft_step_s=0.0)} if self.spec.ngram else {}  # a lookup, no decode
+        if self.draft_ctx is not None:
+            states["model"] = replace(known, draft_step_s=best["draft", 1],
+                                      catch_up_s=best["catch_up", CATCH_UP_PROBE] / CATCH_UP_PROBE)
+        return states
 
     def _own(self, handle):
         self._owned.append(handle)

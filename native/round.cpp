@@ -53,9 +53,20 @@ llama_token draft_choice(const float* logits, int n_vocab, const std::vector<int
 bool draft_tokens(const RoundInput& in, Rng& rng, RoundResult& res, std::vector<std::vector<float>>& q) {
     const int n_vocab = n_vocab_of(in.draft);
     Batch batch(static_cast<int>(in.draft_feed.size()));
-    batch.set(in.draft_feed, in.draft_n_past, false);
-    if (llama_decode(in.draft, batch.b) != 0) { res.error = "draft llama_decode failed"; return false; }
-    int pos = in.draft_n_past + static_cast<int>(in.draft_feed.size());
+    int pos = in.draft_n_past;
+    auto decode = [&](const std::vector<llama_token>& tokens) {
+        batch.set(tokens, pos, false);  // logits for the last token
+        pos += static_cast<int>(tokens.size());
+        if (llama_decode(in.draft, batch.b) == 0) return true;
+        res.error = "draft llama_decode failed";
+        return false;
+    };
+    if (in.stable_shapes) {
+        for (llama_token t : in.draft_feed)
+            if (!decode({t})) return false;
+    } else if (!decode(in.draft_feed)) {
+        return false;
+    }
     std::vector<int32_t> history = in.history;
     std::vector<float> dist;
     while (static_cast<int>(res.drafts.size()) < in.k) {
@@ -67,10 +78,9 @@ bool draft_tokens(const RoundInput& in, Rng& rng, RoundResult& res, std::vector<
         res.drafts.push_back(x);
         if (!in.params.greedy()) q.push_back(dist);
         history.push_back(x);
-        if (static_cast<int>(res.drafts.size()) == in.k) break;
-        // evaluate x only when another token will be drafted after it
-        batch.set({x}, pos++, false);
-        if (llama_decode(in.draft, batch.b) != 0) { res.error = "draft llama_decode failed"; return false; }
+        // evaluate x only when another token will be drafted after it (or shapes must not change)
+        if (static_cast<int>(res.drafts.size()) == in.k && !in.stable_shapes) break;
+        if (!decode({x})) return false;
         ++res.draft_evaluated;
     }
     return true;

@@ -25,6 +25,11 @@ struct RoundInput {
     AcceptRule rule = AcceptRule::Rejection;
     int plain_steps = 1;                 // k = 0: decode up to this many tokens in one call
     double plain_budget_s = 0.05;        // ... but return within about this long (cancellation)
+    // Every draft decode one token with its logits (the feed token by token, the last draft
+    // evaluated too), so the draft's graph keeps one shape. On CUDA a graph whose shape changed
+    // runs uncaptured and is captured again on the second same-shape call, which a round of a
+    // 2-token feed then single steps pays every time.
+    bool stable_shapes = false;
 };
 
 struct RoundResult {

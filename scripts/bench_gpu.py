@@ -6,6 +6,7 @@
   bench_gpu.py offload DIR --llama-bench BIN      7B half on the GPU, 1.5B all on the CPU
   bench_gpu.py probe DIR --llama-bench BIN        where a decode step's time goes (native loop vs run)
   bench_gpu.py spec TARGET DRAFT           the real pair: plain vs speculative, GPU and CPU+GPU
+  bench_gpu.py specprobe TARGET DRAFT      where a speculative round's time goes, both on the GPU
 
 Decode speed does not depend on weight values, so throughput uses random weights with the real
 shapes; acceptance does, so `spec` needs the real models. Every edgerun number comes from the
@@ -282,6 +283,40 @@ def cmd_probe(args) -> dict:
     return results
 
 
+def cmd_specprobe(args) -> dict:
+    """Where a speculative round's time goes with target and draft on the GPU (real pair, T=0, one
+    process): fixed k, the draft fed in one batch or token by token (stable shapes), with and
+    without the draft's confidence stop; then the governor's own choice."""
+    from bench_spec import run_once
+
+    from edgerun.decode.speculative import SpecConfig
+    from edgerun.runner import Runner
+    from edgerun.settings import EngineSettings, SamplerSettings
+
+    greedy = SamplerSettings(temperature=0.0)
+    results = {}
+    with Runner(args.target, EngineSettings(n_ctx=4096), draft=str(args.draft)) as r:
+        state = r.spec.governors["model"]
+        print("load-time costs (ms): draft step %.3f, verify %s" % (
+            state.draft_step_s * 1e3, " ".join(f"{n}:{t * 1e3:.2f}" for n, t in state.verify_s)), flush=True)
+        run_once(r, "Say hello.", greedy, 16, SpecConfig())
+        plain = statistics.median(run_once(r, PROMPT, greedy, GEN, SpecConfig())[0].decode_tok_s for _ in range(3))
+        results["plain"] = plain
+        print(f"plain {plain:.1f} tok/s", flush=True)
+        configs = [(f"k={k} stable={stable} p_min={p_min}", SpecConfig(draft=r.draft_ctx, k=k, p_min=p_min, stable_shapes=stable))
+                   for stable in (False, True) for p_min in (0.2, 0.0) for k in (3, 5, 7)]
+        configs.append(("governor", r.spec))
+        for label, spec in configs:
+            s, over = run_once(r, PROMPT, greedy, GEN, spec)
+            per = lambda x: x / max(s.rounds, 1) * 1e3
+            results[label] = {"tok_s": s.decode_tok_s, "ratio": s.decode_tok_s / plain, "acceptance": s.acceptance_rate,
+                              "rounds": s.rounds, "draft_ms": per(s.draft_s), "verify_ms": per(s.verify_s), "host": over}
+            print(f"{label}: {s.decode_tok_s:.1f} tok/s ({s.decode_tok_s / plain:.3f}), acceptance {s.acceptance_rate:.0%},"
+                  f" {s.rounds} rounds, per round draft {per(s.draft_s):.2f} ms verify {per(s.verify_s):.2f} ms,"
+                  f" host {over:.1%} [{s.governor}]", flush=True)
+    return results
+
+
 def cmd_spec(args) -> dict:
     results = {}
     scenarios = {
@@ -314,15 +349,16 @@ def main() -> None:
         p.add_argument("--llama-bench", required=True)
         p.add_argument("--which", default="0.5b,1.5b,7b")
         p.add_argument("--threads", type=int, default=16)
-    p = sub.add_parser("spec")
-    p.add_argument("target", type=Path)
-    p.add_argument("draft", type=Path)
-    p.add_argument("--threads", type=int, default=16)
-    p.add_argument("--reps", type=int, default=2)
+    for name in ("spec", "specprobe"):
+        p = sub.add_parser(name)
+        p.add_argument("target", type=Path)
+        p.add_argument("draft", type=Path)
+        p.add_argument("--threads", type=int, default=16)
+        p.add_argument("--reps", type=int, default=2)
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     out = {"shapes": cmd_shapes, "throughput": cmd_throughput, "offload": cmd_offload, "probe": cmd_probe,
-           "spec": cmd_spec}[args.cmd](args)
+           "spec": cmd_spec, "specprobe": cmd_specprobe}[args.cmd](args)
     if args.json and out:
         args.json.write_text(json.dumps(out, indent=2))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 from edgerun.decode.generate import generate
@@ -57,7 +58,9 @@ def main() -> None:
     with Runner(args.model, settings, draft=args.draft) as runner:
         scenarios = {
             "model draft": runner.spec,  # with the costs the runner measured at load
-            "n-gram": SpecConfig(ngram=True),
+            # the costs a runner started with --ngram measures at load: the same target, no draft decode
+            "n-gram": SpecConfig(ngram=True, governors={"ngram": replace(runner.spec.governors["model"],
+                                                                          draft_step_s=0.0, catch_up_s=None)}),
         }
         # one throwaway reply first: the first decode after load pays for page faults and the
         # thread pool's start, which would otherwise land on the first plain run only

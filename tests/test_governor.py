@@ -338,3 +338,22 @@ def test_verify_time_follows_a_dip_between_measurements():
     assert verify_time(s, 2) == pytest.approx(0.104)  # between its neighbours 1 and 3
     assert verify_time(s, 7) == pytest.approx(0.151 + 2 * (0.237 - 0.151) / 4)
     assert verify_time(s, 11) == pytest.approx(0.074 + 10 * (0.237 - 0.074) / 8)  # beyond: the whole line
+
+
+def test_a_load_time_plain_timing_is_checked_in_place_before_drafting():
+    # Seen on an H200: the plain step timed at load between other shapes took 2.9 ms, in a reply
+    # 1.8 ms. With the load-time number a 7-token draft looked 43% faster than plain; it was 40%
+    # slower, and a drafting governor never times a plain step to find out.
+    from edgerun.decode.governor import new_reply
+
+    loaded = GovernorState(alpha=0.94, draft_step_s=0.0012, verify_s=tuple((n, 0.0029 + 0.0001 * n) for n in range(1, 10)),
+                           drafted_rounds=gov.WARM_ROUNDS, plain_from_load=True)
+    s = new_reply(loaded)  # a reply starts: the flag is carried with the costs
+    assert choose(s) == (0, "timing a plain step")
+    s = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=0.0018, decided="timing a plain step")
+    assert not s.plain_from_load and verify_time(s, 1) == 0.0018
+    k, why = choose(s)
+    assert k == 0 and "draft off" in why
+    # a drafted round does not count as the check
+    s = update(new_reply(loaded), k=3, drafted=3, accepted=3, draft_s=0.0036, verify_s=0.0033, decided="")
+    assert s.plain_from_load

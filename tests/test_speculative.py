@@ -3,6 +3,7 @@ distribution at temperature > 0, KV bookkeeping, and vocabulary checks."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -89,29 +90,57 @@ def test_real_pair_at_temperature_zero_equals_plain(target_model, small_model):
                 assert gap <= 2 * noise, f"diverged at token {i}: top-two gap {gap:.4f}, batch noise {noise:.4f}"
 
 
-def test_kv_cache_after_many_rejections_matches_a_fresh_evaluation(target_model, small_model):
+def _cache_holds(ctx, model, sequence, n_prompt):
+    """Whether ctx's KV cache holds exactly sequence[:ctx.n_past]: the logits after one more token
+    match a fresh evaluation within the kernels' own rounding (batched vs token by token)."""
+    n = ctx.n_past
+    ctx.eval([sequence[n]])
+    cached = ctx.logits(-1).copy()
+    with Context(model, SETTINGS) as fresh:
+        fresh.eval(sequence[: n + 1])
+        batched = fresh.logits(-1).copy()
+        fresh.trim(n_prompt)
+        for token in sequence[n_prompt : n + 1]:
+            fresh.eval([token])
+        stepwise = fresh.logits(-1).copy()
+    # a stale or missing KV entry moves logits by whole units; evaluation order only by the
+    # kernels' rounding, which the two fresh evaluations measure
+    noise = float(np.max(np.abs(batched - stepwise)))
+    return float(np.max(np.abs(cached - stepwise))) <= 2 * noise + 0.02 and int(np.argmax(cached)) == int(np.argmax(stepwise))
+
+
+@pytest.mark.parametrize("stable_shapes", [False, True])
+def test_kv_cache_after_many_rejections_matches_a_fresh_evaluation(target_model, small_model, stable_shapes):
+    """Both caches, with the draft fed in one batch or token by token (stable_shapes, as on a GPU)."""
     hot = SamplerSettings(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3)
     with Runner(target_model, SETTINGS, draft=str(small_model), spec_k=5) as r:
+        spec = replace(r.spec, stable_shapes=stable_shapes)
         tokens = r.chat_tokens(_user("Tell me a story about a dragon and a librarian."))
-        out, _, rounds = _run(r.ctx, tokens, hot, 60, r.spec)
+        out, _, rounds = _run(r.ctx, tokens, hot, 60, spec)
         assert sum(x.drafted - x.accepted for x in rounds) >= 5  # rejected drafts were trimmed
         sequence = tokens + out
-        n = r.ctx.n_past
-        assert r.ctx.tokens == sequence[:n]  # the bookkeeping says what the cache holds...
-        r.ctx.eval([sequence[n]])
-        cached = r.ctx.logits(-1).copy()
-        with Context(r.model, SETTINGS) as fresh:  # ...and the cache holds exactly that
-            fresh.eval(sequence[: n + 1])
-            batched = fresh.logits(-1).copy()
-            fresh.trim(len(tokens))
-            for token in sequence[len(tokens) : n + 1]:
-                fresh.eval([token])
-            stepwise = fresh.logits(-1).copy()
-        # a stale or missing KV entry moves logits by whole units; evaluation order only by the
-        # kernels' rounding, which the two fresh evaluations measure
-        noise = float(np.max(np.abs(batched - stepwise)))
-        assert float(np.max(np.abs(cached - stepwise))) <= 2 * noise + 0.02
-        assert int(np.argmax(cached)) == int(np.argmax(stepwise))
+        assert r.ctx.tokens == sequence[: r.ctx.n_past]  # the bookkeeping says what the cache holds...
+        assert _cache_holds(r.ctx, r.model, sequence, len(tokens))  # ...and the cache holds exactly that
+        # the draft's cache: the committed tokens it shares, then its own unverified drafts
+        draft = r.draft_ctx
+        keep = draft.shared_prefix(sequence)
+        assert keep >= len(sequence) - 8
+        draft.trim(keep)
+        assert _cache_holds(draft, r.draft_model, sequence, len(tokens))
+
+
+def test_stable_shapes_evaluate_every_draft(small):
+    """Fed token by token, the draft also evaluates its last draft: after a fully accepted round
+    its cache holds everything the target's does, so the next round feeds one token."""
+    model, ctx, draft = small
+    tokens = chat_tokens(model, _user(PROMPTS[0]))
+    ctx.trim(0)
+    plain, _, _ = _run(ctx, tokens, GREEDY, 40)
+    ctx.trim(0)
+    draft.trim(0)
+    spec, _, rounds = _run(ctx, tokens, GREEDY, 40, SpecConfig(draft=draft, k=4, stable_shapes=True))
+    assert spec == plain and sum(x.drafted for x in rounds) > 25
+    assert rounds[-1].drafted == rounds[-1].accepted and draft.tokens == ctx.tokens
 
 
 def test_other_vocab_draft_is_refused_before_loading(target_model, other_vocab_model):
@@ -156,6 +185,19 @@ def test_rejection_rule_accepts_more_than_sample_and_compare(target_model, small
             rates[rule] = acc / drafted
     print(f"acceptance at T=0.7: rejection rule {rates['rejection']:.3f}, sample-and-compare {rates['match']:.3f}")
     assert rates["rejection"] > rates["match"]
+
+
+def test_an_ngram_runner_knows_its_costs_before_the_first_reply(small_model):
+    """With --ngram the runner times every verify batch at load: the first match is drafted at
+    the length the costs favour, not spent on measuring rounds."""
+    code = (Path(__file__).parent / "data" / "code_edit.txt").read_text()
+    with Runner(small_model, SETTINGS, draft="none", ngram=True) as r:
+        state = r.spec.governors["ngram"]
+        assert "model" not in r.spec.governors
+        assert state.draft_step_s == 0.0 and dict(state.verify_s).keys() == set(range(1, governor.K_MAX + 2))
+        _, _, rounds = _run(r.ctx, r.chat_tokens(_user(code)), GREEDY, 64, r.spec)
+        drafted = [x for x in rounds if x.drafter == "ngram" and x.drafted]
+        assert drafted and not any("measuring" in x.decided for x in rounds), [x.decided for x in rounds]
 
 
 def test_a_draft_that_cannot_win_is_judged_at_load_and_never_run(small_model):

@@ -30,6 +30,7 @@ class GovernorState:
     drafted_rounds: int = 0         # rounds with drafts so far (the first ones run cold)
     warm_rounds: int = WARM_ROUNDS  # ... measured before costs may rule the draft out (1 on a CPU)
     catch_up_s: float | None = None  # draft prefill per token: what re-checking costs after a plain stretch
+    plain_from_load: bool = False   # the plain step's cost is still the load-time timing: time one in place
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -80,6 +81,11 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
     plain = rate(state, 0)
     if plain is None:
         return 0, "measuring plain decoding"
+    if state.plain_from_load:
+        # a timing taken at load, between other shapes, can be far off (on a GPU: 2.9 ms measured
+        # vs 1.8 ms in a reply). Drafting never times a plain step, so one wrong number there
+        # would keep a losing draft on for the whole session: time one real step first.
+        return 0, "timing a plain step"
     if state.draft_step_s is None or len(state.verify_s) < 2 or state.drafted_rounds < state.warm_rounds:
         return min(2, k_cap), "measuring the draft"
     best_k, best = 0, plain
@@ -115,7 +121,8 @@ def new_reply(state: GovernorState) -> GovernorState:
     right depends on the text (a code edit repeats its prompt, a story does not)."""
     fresh = GovernorState(k_max=state.k_max, warm_rounds=state.warm_rounds)
     return replace(fresh, draft_step_s=state.draft_step_s, verify_s=state.verify_s,
-                   drafted_rounds=state.drafted_rounds, catch_up_s=state.catch_up_s)
+                   drafted_rounds=state.drafted_rounds, catch_up_s=state.catch_up_s,
+                   plain_from_load=state.plain_from_load)
 
 
 def catch_up_share(state: GovernorState, plain: float) -> float:
@@ -182,7 +189,7 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
         losing = state.plain_rounds >= state.probe_every
         probe_every = min(PROBE_MAX, state.probe_every * 2) if losing else state.probe_every
     return replace(state, alpha=alpha, accepted_ema=accepted_ema, trials_ema=trials_ema, draft_step_s=draft_step,
-                   drafted_rounds=drafted_rounds,
+                   drafted_rounds=drafted_rounds, plain_from_load=state.plain_from_load and drafted > 0,
                    verify_s=tuple(sorted(table.items())),
                    plain_rounds=plain_rounds, probe_every=probe_every, decided=decided)
 

@@ -26,6 +26,9 @@ class SpecConfig:
     k: int | None = None          # fixed draft length; None lets the governor choose
     p_min: float = DEFAULT_P_MIN
     rule: str = "rejection"       # or "match": llama.cpp server's sample-and-compare
+    # the draft decodes one token at a time, every one with logits (None: when it runs on a GPU,
+    # where a batch shape change costs a CUDA graph capture; see native/round.hpp)
+    stable_shapes: bool | None = None
     # what the governor measured, kept across replies of a session (costs do not change per reply)
     governors: dict = field(default_factory=dict, compare=False)
 
@@ -56,6 +59,9 @@ class Speculator:
         # on a CPU the first round already shows the cost
         on_gpu = target.model.n_gpu_layers > 0 or (cfg.draft is not None and cfg.draft.model.n_gpu_layers > 0)
         fresh = governor.GovernorState(warm_rounds=governor.WARM_ROUNDS if on_gpu else 1)
+        self.stable_shapes = cfg.stable_shapes
+        if self.stable_shapes is None:
+            self.stable_shapes = cfg.draft is not None and cfg.draft.model.n_gpu_layers > 0
         for name in ("model", "ngram"):
             self.gov[name] = governor.new_reply(self.gov.get(name, fresh))
         self._pending: tuple[str, int, str] = ("none", 0, "")
@@ -120,7 +126,8 @@ class Speculator:
             self._pending = ("model", k, why)
             if k > 0:
                 feed, n_past = self._prepare_draft(last, keep)
-                return args | dict(k=k, draft=self.cfg.draft.address, draft_feed=feed, draft_n_past=n_past)
+                return args | dict(k=k, draft=self.cfg.draft.address, draft_feed=feed, draft_n_past=n_past,
+                                   stable_shapes=self.stable_shapes)
             return args | dict(plain_steps=self._plain_steps(remaining))
         self._pending = ("none", 0, "no drafter")
         return args | dict(plain_steps=self._plain_steps(remaining))
