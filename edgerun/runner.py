@@ -20,7 +20,8 @@ from edgerun.runtime import chat_template, devices, placement, vocab
 from edgerun.runtime.engine import Context, Model
 from edgerun.settings import EngineSettings, SamplerSettings
 
-COST_REPS = 3  # timings per shape at load; the fastest counts
+COST_REPS = 3  # timings per shape at load; the fastest counts ...
+COST_BUDGET_S = 1.0  # ... but no new round of them once this long has gone (a slow CPU: one round)
 CATCH_UP_PROBE = 32  # tokens of draft prefill timed at load: what a catch-up costs per token
 
 
@@ -155,7 +156,10 @@ class Runner:
         # runs the graph uncaptured, captures it on the next call and replays it from then on.
         runs = 3 if self.plan.gpu_bytes else 1
         best = dict.fromkeys(shapes, float("inf"))
+        start_all = time.perf_counter()
         for _ in range(COST_REPS):
+            if time.perf_counter() - start_all > COST_BUDGET_S:
+                break
             for key, (ctx, n, all_logits) in shapes.items():
                 for _ in range(runs):
                     start = time.perf_counter()

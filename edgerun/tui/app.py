@@ -4,7 +4,6 @@ through messages; the UI thread never waits on a model."""
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TypeVar
@@ -33,8 +32,9 @@ from edgerun import user_settings
 
 W = TypeVar("W")
 
-REFRESH_S = 0.25  # stats panel: four times a second
-TEXT_EVERY_S = 0.25  # transcript: batch tokens so the UI thread takes little CPU from llama.cpp
+# One UI tick four times a second moves the new text into the transcript and refreshes the stats
+# panel, so both land in one screen render: every render is CPU taken from llama.cpp's threads.
+REFRESH_S = 0.25
 VRAM_EVERY = 8    # nvidia-smi is a subprocess: ask it every 8th refresh only
 
 
@@ -54,14 +54,6 @@ class ModelLoaded(Message):
 class ModelFailed(Message):
     def __init__(self, error: str) -> None:
         self.error = error
-        super().__init__()
-
-
-class Tokens(Message):
-    """Text that arrived since the last message, as (text, from_draft) pieces."""
-
-    def __init__(self, pieces: list[tuple[str, bool]]) -> None:
-        self.pieces = pieces
         super().__init__()
 
 
@@ -99,6 +91,8 @@ class EdgerunApp(App):
         self.history: History | None = None
         self.session: ChatSession | None = None
         self.stats: ReplyStats | None = None  # the reply being generated, or the last one
+        self.reply_entry: Entry | None = None
+        self._incoming: deque[tuple[str, bool]] = deque()  # (text, from_draft) from the worker, for the tick
         self.cancel = threading.Event()
         self.generating = False
         self.recent: deque[ReplyStats] = deque(maxlen=4)  # for hints that need a while
@@ -128,7 +122,7 @@ class EdgerunApp(App):
             self.notify(warning, severity="warning")
         self.refresh_stats()
         if self.live:
-            self.set_interval(REFRESH_S, self.refresh_stats)
+            self.set_interval(REFRESH_S, self.tick)
         self.query_one("#input").focus()
         self.request_load(self.model_spec, self.draft_spec)
 
@@ -205,25 +199,28 @@ class EdgerunApp(App):
         try:
             records = self.session.reply(text, self.prefs.sampling, max_tokens=self.prefs.max_tokens,
                                          cancel=cancel, stats=stats)
-            pending: list[tuple[str, bool]] = []
-            last_post = time.monotonic()
             for record in records:
                 if isinstance(record, Step) and record.text:
-                    pending.append((record.text, record.from_draft))
-                    if time.monotonic() - last_post >= TEXT_EVERY_S:
-                        self.post_message(Tokens(pending))
-                        pending, last_post = [], time.monotonic()
-            if pending:
-                self.post_message(Tokens(pending))
+                    self._incoming.append((record.text, record.from_draft))  # the UI tick takes it
         except EdgerunError as exc:
             self.post_message(ReplyDone("interrupted", str(exc)))
             return
         self.post_message(ReplyDone("stopped" if stats.finish == "cancelled" else "done"))
 
-    async def on_tokens(self, event: Tokens) -> None:
-        await self.reply_entry.append(event.pieces)
+    async def tick(self) -> None:
+        await self._drain_text()
+        self.refresh_stats()
+
+    async def _drain_text(self) -> None:
+        """Move the text the generation worker queued into the reply being written."""
+        pieces = []
+        while self._incoming:
+            pieces.append(self._incoming.popleft())
+        if pieces and self.reply_entry is not None:
+            await self.reply_entry.append(pieces)
 
     async def on_reply_done(self, event: ReplyDone) -> None:
+        await self._drain_text()
         await self.reply_entry.finish(event.status)
         self.generating = False
         self.refresh_stats()

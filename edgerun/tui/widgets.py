@@ -129,6 +129,11 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
+def _shape(text: str) -> tuple[int, int]:
+    lines = text.splitlines()
+    return len(lines), max(map(len, lines), default=0)
+
+
 class StatsPanel(Vertical):
     """Live numbers of the reply being generated (or the last one), refreshed by the app."""
 
@@ -138,10 +143,13 @@ class StatsPanel(Vertical):
         self._shown: dict[str, str] = {}
 
     def _set(self, widget_id: str, text: str) -> None:
-        # an update re-lays out the panel: skip it when nothing changed (CPU is llama.cpp's)
-        if self._shown.get(widget_id) != text:
+        # Every screen update is CPU taken from llama.cpp: skip unchanged text, and re-lay out the
+        # screen only when the text's shape (line count, longest line) changed. The numbers are
+        # fixed-width, so while a reply streams their updates only repaint.
+        old = self._shown.get(widget_id)
+        if old != text:
             self._shown[widget_id] = text
-            self.query_one(f"#{widget_id}", Static).update(text)
+            self.query_one(f"#{widget_id}", Static).update(text, layout=old is None or _shape(old) != _shape(text))
 
     def compose(self):
         yield Static("tokens/s", classes="title")
