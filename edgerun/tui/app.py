@@ -190,6 +190,7 @@ class EdgerunApp(App):
         await transcript.mount(self.reply_entry)
         transcript.anchor()  # follow the reply as it grows, until the user scrolls up
         self.generating = True
+        self.query_one(ChatInput).cursor_blink = False  # a blink is a render: none while llama.cpp works
         self.cancel = threading.Event()
         self.stats = ReplyStats()
         self.generate(event.text, self.stats, self.cancel)
@@ -223,6 +224,7 @@ class EdgerunApp(App):
         await self._drain_text()
         await self.reply_entry.finish(event.status)
         self.generating = False
+        self.query_one(ChatInput).cursor_blink = self.live
         self.refresh_stats()
         if event.error:
             self.notify(event.error, title="generation failed", severity="error")
