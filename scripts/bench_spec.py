@@ -5,8 +5,8 @@ Scenarios: the model draft (qwen2.5-coder-0.5b for the 1.5B) under the governor,
 drafter under the governor; prompts: code generation and a code edit that repeats its input;
 temperatures 0 and 0.7. Each scenario is interleaved with its own plain run (same prompt, seed,
 sampler) and repeated; the printed ratio is the median over repeats of spec tok/s / plain tok/s.
-Also printed:
-acceptance, and host overhead per round (decode wall time not spent inside the native round)."""
+Also printed: acceptance, and host overhead per round (decode wall time not spent inside the
+native round)."""
 
 from __future__ import annotations
 
