@@ -15,7 +15,7 @@ from edgerun import user_settings
 from edgerun.history import History
 from edgerun.settings import EngineSettings
 from edgerun.tui.app import EdgerunApp
-from edgerun.tui.widgets import Entry
+from edgerun.tui.widgets import Transcript
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,13 @@ async def send(pilot, app, text, *, expect_reply=True):
 
 
 def replies(app):
-    return list(app.query(Entry).filter(".assistant"))
+    return [e for e in app.query_one(Transcript).entries if e.role == "assistant"]
+
+
+def _screen_text(app):
+    """What the transcript shows, as plain text."""
+    view = app.query_one(Transcript)
+    return "\n".join(view.render_line(y).text for y in range(view.size.height))
 
 
 def notes(app):
@@ -93,7 +99,8 @@ async def test_escape_stops_the_reply_and_keeps_it_marked():
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.generating, timeout=30)
         reply = replies(app)[-1]
-        assert reply.status == "stopped" and "(stopped)" in str(reply.query_one(".role").render())
+        assert reply.status == "stopped" and reply.label == "Assistant (stopped)"
+        assert "Assistant (stopped)" in _screen_text(app)
         assert 5 <= app.stats.generated_tokens < 400
         conv = app.session.conversation_id
     with History() as h:
@@ -112,7 +119,8 @@ async def test_resume_a_saved_conversation_after_restart():
         await pilot.press("f4")
         await pilot.pause(0.2)
         await pilot.click("#resume")
-        await wait_for(pilot, lambda: len(app.query(Entry)) == 2)
+        await wait_for(pilot, lambda: len(app.query_one(Transcript).entries) == 2)
+        assert "My name is Ada" in _screen_text(app)
         await send(pilot, app, "What is my name? Answer with one word.")
         await wait_for(pilot, lambda: not app.generating)
         assert "Ada" in replies(app)[-1].text
@@ -185,6 +193,36 @@ async def _loaded(pilot):
 def test_snapshot_main_screen(snap_compare):
     app = _still(EdgerunApp(DRAFT, draft="none", engine=ENGINE, live=False))
     assert snap_compare(app, terminal_size=(120, 36), run_before=_loaded)
+
+
+SAVED_REPLY = """Here is the function:
+
+```python
+def is_palindrome(s: str) -> bool:
+    \"\"\"True when s reads the same both ways.\"\"\"
+    cleaned = "".join(c.lower() for c in s if c.isalnum())
+    return cleaned == cleaned[::-1]
+```
+
+### How it works
+
+1. **Clean** the string: keep letters and digits, lower-cased.
+2. **Compare** it with its reverse (`cleaned[::-1]`).
+
+That is all."""
+
+
+def test_snapshot_transcript_of_a_saved_conversation(snap_compare):
+    """The transcript's own rendering: roles, prose, a highlighted code block, a heading, a list,
+    and a stopped reply's mark."""
+    with History() as h:
+        conv = h.new_conversation(DRAFT)
+        h.add_message(conv, "user", "Write a palindrome check in Python.")
+        h.add_message(conv, "assistant", SAVED_REPLY)
+        h.add_message(conv, "user", "And in one line?")
+        h.add_message(conv, "assistant", "`s == s[::-1]`, after cleaning", status="stopped")
+    app = _still(EdgerunApp(DRAFT, draft="none", engine=ENGINE, live=False, resume=conv))
+    assert snap_compare(app, terminal_size=(120, 40), run_before=_loaded)
 
 
 def test_snapshot_model_screen(snap_compare):

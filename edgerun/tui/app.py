@@ -12,7 +12,7 @@ import psutil
 from textual import on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.containers import Horizontal, VerticalScroll
+from textual.containers import Horizontal
 from textual.message import Message
 from textual.widgets import Footer, Header, Static
 
@@ -27,7 +27,7 @@ from edgerun import paths
 from edgerun.runtime import devices, llama_log
 from edgerun.settings import EngineSettings
 from edgerun.tui import hints
-from edgerun.tui.widgets import ChatInput, Entry, StatsPanel
+from edgerun.tui.widgets import ChatInput, Entry, StatsPanel, Transcript
 from edgerun import user_settings
 
 W = TypeVar("W")
@@ -105,7 +105,7 @@ class EdgerunApp(App):
     def compose(self) -> ComposeResult:
         yield Header()
         with Horizontal(id="main"):
-            yield VerticalScroll(id="transcript")
+            yield Transcript(id="transcript")
             yield StatsPanel(id="stats")
         yield Static("", id="status")
         box = ChatInput(id="input")
@@ -183,12 +183,12 @@ class EdgerunApp(App):
         if self.generating:
             self.notify("a reply is still being written (Esc stops it)", severity="warning")
             return
-        transcript = self.query_one("#transcript", VerticalScroll)
-        await transcript.mount(Entry("user", event.text))
+        transcript = self._main_widget(Transcript)
+        transcript.add(Entry("user", event.text))
         self.reply_entry = Entry("assistant", status="streaming")
-        self.reply_entry.show_marks(self.prefs.show_draft_marks)
-        await transcript.mount(self.reply_entry)
-        transcript.anchor()  # follow the reply as it grows, until the user scrolls up
+        self.reply_entry.marks = self.prefs.show_draft_marks
+        transcript.add(self.reply_entry)
+        transcript.scroll_end(animate=False)  # and it follows the reply until the user scrolls up
         self.generating = True
         self.query_one(ChatInput).cursor_blink = False  # a blink is a render: none while llama.cpp works
         self.cancel = threading.Event()
@@ -208,21 +208,24 @@ class EdgerunApp(App):
             return
         self.post_message(ReplyDone("stopped" if stats.finish == "cancelled" else "done"))
 
-    async def tick(self) -> None:
-        await self._drain_text()
-        self.refresh_stats()
+    def tick(self) -> None:
+        with self.batch_update():  # text and stats land in one render
+            self._drain_text()
+            self.refresh_stats()
 
-    async def _drain_text(self) -> None:
+    def _drain_text(self) -> None:
         """Move the text the generation worker queued into the reply being written."""
         pieces = []
         while self._incoming:
             pieces.append(self._incoming.popleft())
         if pieces and self.reply_entry is not None:
-            await self.reply_entry.append(pieces)
+            self.reply_entry.chunks.extend(pieces)
+            self._main_widget(Transcript).changed(self.reply_entry)
 
     async def on_reply_done(self, event: ReplyDone) -> None:
-        await self._drain_text()
-        await self.reply_entry.finish(event.status)
+        self._drain_text()
+        self.reply_entry.status = event.status
+        self._main_widget(Transcript).changed(self.reply_entry)
         self.generating = False
         self.query_one(ChatInput).cursor_blink = self.live
         self.refresh_stats()
@@ -271,10 +274,10 @@ class EdgerunApp(App):
     # ----- conversations and screens ----------------------------------------------------------------
 
     async def show_conversation(self, conv_id: int) -> None:
-        transcript = self.query_one("#transcript", VerticalScroll)
-        await transcript.remove_children()
+        transcript = self._main_widget(Transcript)
+        transcript.clear()
         for m in self.history.messages(conv_id):
-            await transcript.mount(Entry(m.role, m.content, status=m.status))
+            transcript.add(Entry(m.role, m.content, status=m.status))
         if self.session is not None:
             self.session = ChatSession(self.session.runner, self.history, model_name=self.model_spec,
                                        system=self.prefs.system_prompt, conversation_id=conv_id)
@@ -284,7 +287,7 @@ class EdgerunApp(App):
         if self.generating:
             self.notify("stop the reply first (Esc)", severity="warning")
             return
-        await self.query_one("#transcript", VerticalScroll).remove_children()
+        self._main_widget(Transcript).clear()
         if self.session is not None:
             self.session.reset()
         self.stats = None
@@ -293,12 +296,14 @@ class EdgerunApp(App):
     def action_toggle_marks(self) -> None:
         self.prefs = self.prefs.replace(show_draft_marks=not self.prefs.show_draft_marks)
         user_settings.save(self.prefs)
-        for entry in self.query(Entry).filter(".assistant"):
-            entry.show_marks(self.prefs.show_draft_marks)
+        transcript = self._main_widget(Transcript)
+        for entry in transcript.entries:
+            entry.marks = self.prefs.show_draft_marks and entry.role == "assistant"
+        transcript.render_all()
         self.notify("draft tokens marked" if self.prefs.show_draft_marks else "draft marks off")
 
     def _last_reply(self) -> Entry | None:
-        replies = list(self.query(Entry).filter(".assistant"))
+        replies = [e for e in self._main_widget(Transcript).entries if e.role == "assistant"]
         return replies[-1] if replies else None
 
     def action_copy_reply(self) -> None:
