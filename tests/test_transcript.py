@@ -66,6 +66,23 @@ async def test_a_streamed_reply_is_drawn_like_the_whole_text():
         assert "def is_palindrome" in text and "How it works" in text and "```" not in text
 
 
+async def test_a_long_code_block_streamed_in_pieces_ends_up_highlighted_as_a_whole():
+    code = ('"""A module docstring\n\nwith a blank line, then an unindented line."""\n\n\n'
+            + "".join(f"def f{i}(x):\n    return x + {i}  # add\n\n" for i in range(12)) + "class A:\n\tpass\n")
+    text = f"Code:\n\n```python\n{code}```\n\nDone."
+    async with TranscriptApp().run_test(size=(90, 30)) as pilot:
+        view = pilot.app.query_one(Transcript)
+        whole = view.add(Entry("assistant", text))
+        streamed = view.add(Entry("assistant", status="streaming"))
+        for piece in _pieces(text, 3):
+            streamed.chunks.append((piece, False))
+            view.changed(streamed)
+        assert [s.text for s in view._lines[1][1:]] == [s.text for s in view._lines[0][1:]]
+        streamed.status = "done"
+        view.changed(streamed)
+        assert _drawn(view, streamed) == _drawn(view, whole)
+
+
 async def test_an_unclosed_code_block_shows_its_code_while_it_streams():
     async with TranscriptApp().run_test(size=(90, 30)) as pilot:
         view = pilot.app.query_one(Transcript)
@@ -124,3 +141,20 @@ async def test_draft_marks_show_the_text_with_drafted_pieces_styled():
         drafted = [seg for seg in segments if seg.text == "drafted"]
         assert drafted and drafted[0].style.bold
         assert "**bold**" in "".join(seg.text for seg in segments)  # raw text, not markdown
+
+
+async def test_a_code_block_is_drawn_as_rich_syntax_draws_it():
+    from rich.syntax import Syntax
+
+    code = 'def f(x):\n\t"""A docstring\n\n    that spans lines."""\n\n    return [x] * 3  ' + "# long " * 20 + "\n"
+    async with TranscriptApp().run_test(size=(70, 30)) as pilot:
+        view = pilot.app.query_one(Transcript)
+        view.add(Entry("assistant", f"```python\n{code}```"))
+        ours = view._lines[0][1:-1]  # without the role line and the entry's blank line
+        theirs = view._strips(Syntax(code.rstrip("\n"), "python", theme="monokai", word_wrap=True, padding=1,
+                                     code_width=view._width - 2))
+
+        def cells(strips):  # every character with its style
+            return [[(ch, seg.style) for seg in strip for ch in seg.text] for strip in strips]
+        assert cells(ours) == cells(theirs)
+        assert len(ours) > code.count("\n") + 2  # the long line wrapped

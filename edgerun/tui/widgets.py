@@ -28,7 +28,9 @@ from edgerun.runtime import placement
 CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)```", re.DOTALL)
 FENCE = re.compile(r"(?P<mark>```+|~~~+)[ \t]*(?P<lang>[^\s`]*)[^\n]*\n(?P<code>.*?)(?:^[ \t]*(?P=mark)[ \t]*$|\Z)",
                    re.DOTALL | re.MULTILINE)
+TOP_LEVEL_SPLIT = re.compile(r"\n\n(?=\S)")  # a blank line, then an unindented line
 BLANK = Strip.blank(0)
+WARM_UP = 'A **reply** with `code`:\n\n```python\ndef f(x: int) -> str:\n    return f"{x}"  # note\n```\n\n1. one\n- two\n'
 
 
 @functools.cache
@@ -96,7 +98,7 @@ class Entry:
         self.role, self.status = role, status
         self.chunks: list[tuple[str, bool]] = [(text, False)] if text else []
         self.marks = False
-        self._blocks: dict[str, list[Strip]] = {}  # markdown block source -> its lines at the view's width
+        self._blocks: dict[tuple[str, bool], list[Strip]] = {}  # (block source, streaming) -> lines at the view's width
         self._done: list[str] = []  # sources of the blocks that can no longer change
         self._tail_line = 0  # the text line where the block that may still grow starts
 
@@ -151,6 +153,9 @@ class Transcript(ScrollView, can_focus=True):
         self._lines: list[list[Strip]] = []  # per entry
         self._starts: list[int] = []  # first line of each entry
         self._width = 0
+        self._room = False  # keep room below a streaming reply (see changed)
+        self._highlight_cache: LRUCache[tuple[str, str, str], list[Text]] = LRUCache(256)  # streaming code pieces
+        self._code_cache: LRUCache[tuple, list[Strip]] = LRUCache(4000)  # a code line's lines, by highlighting
         self._line_cache: LRUCache[tuple[int, int, int], tuple[Strip, Strip]] = LRUCache(1000)
 
     # ----- content ------------------------------------------------------------------------------
@@ -158,22 +163,36 @@ class Transcript(ScrollView, can_focus=True):
     def add(self, entry: Entry) -> Entry:
         self.entries.append(entry)
         self._lines.append([])
+        self._room = False
         self.changed(entry)
         return entry
 
     def clear(self) -> None:
         self.entries.clear()
         self._lines.clear()
+        self._room = False
         self._update_size(follow=False)
         self.scroll_home(animate=False)
 
     def changed(self, entry: Entry) -> None:
         """Render an entry again after its text, status or marks changed; follows the end of the
-        conversation when the view was showing it."""
+        conversation when the view was showing it.
+
+        While a reply streams, the view keeps up to half a screen of room below it and scrolls
+        only when that is used up, half a screen at a time: between those jumps the text stands
+        still (easier to read) and an update repaints only the lines that changed, not the whole
+        view shifted by a line."""
         at_end = self.scroll_y >= self.max_scroll_y
+        i = self.entries.index(entry)
+        dirty = None
         if self._width:
-            self._lines[self.entries.index(entry)] = self._render_entry(entry)
-        self._update_size(follow=at_end)
+            old, new = self._lines[i], self._render_entry(entry)
+            self._lines[i] = new
+            if i == len(self.entries) - 1:  # nothing below it moves: repaint from the first changed line
+                first = next((k for k, (a, b) in enumerate(zip(old, new)) if a is not b and a != b), min(len(old), len(new)))
+                dirty = (self._starts[i] + first, max(len(old), len(new)) - first)
+        self._room = self._room or entry.status == "streaming"
+        self._update_size(follow=at_end, dirty=dirty)
 
     def render_all(self) -> None:
         for entry in self.entries:
@@ -181,14 +200,40 @@ class Transcript(ScrollView, can_focus=True):
         self._lines = [self._render_entry(e) for e in self.entries] if self._width else [[] for _ in self.entries]
         self._update_size(follow=False)
 
-    def _update_size(self, *, follow: bool) -> None:
+    def _update_size(self, *, follow: bool, dirty: tuple[int, int] | None = None) -> None:
         self._starts = list(itertools.accumulate((len(lines) for lines in self._lines), initial=0))
-        self.virtual_size = Size(self._width, self._starts[-1])
-        self.refresh()
-        if follow:  # after the refresh, when the new height is known
-            self.scroll_end(animate=False, x_axis=False)
+        height = self._starts[-1]
+        if self._room:
+            step = max(self.scrollable_content_region.height // 2, 1)
+            height = -(-height // step) * step
+        size = Size(self._width, height)
+        if size != self.virtual_size:
+            # Setting virtual_size would lay out the whole screen. Only the scrollbar depends on
+            # the height, so update it in place, and lay out only when the scrollbar appears or goes.
+            shown = self.show_vertical_scrollbar
+            self.set_reactive(ScrollView.virtual_size, size)
+            self._scroll_update(size)
+            if self.show_vertical_scrollbar != shown:
+                self.refresh(layout=True)
+            self.refresh()
+            if follow:  # after the refresh, when the new height is known
+                self.scroll_end(animate=False, x_axis=False)
+        elif dirty is not None:
+            if dirty[1]:
+                self.refresh_lines(*dirty)
+        else:
+            self.refresh()
 
     # ----- rendering ----------------------------------------------------------------------------
+
+    def on_mount(self) -> None:
+        self.set_timer(0.5, self._warm_up)
+
+    def _warm_up(self) -> None:
+        """Render a sample reply once, off screen, while the model loads: the first use of the
+        markdown parser and of a Pygments lexer compiles their patterns (about 0.15 s here), which
+        would otherwise land on the first reply and take that time from llama.cpp's threads."""
+        self._render_entry(Entry("assistant", WARM_UP))
 
     def on_resize(self) -> None:
         width = self.scrollable_content_region.width
@@ -206,29 +251,68 @@ class Transcript(ScrollView, can_focus=True):
                 text.append(chunk, style=draft if drafted else "")
             lines += self._strips(text)
         else:
-            for i, source in enumerate(entry.block_sources()):
-                if source not in entry._blocks:
-                    entry._blocks[source] = self._block_lines(source)
-                lines += ([BLANK] if i else []) + entry._blocks[source]
+            sources = entry.block_sources()
+            for i, source in enumerate(sources):
+                streaming = entry.status == "streaming" and i == len(sources) - 1
+                if (source, streaming) not in entry._blocks:
+                    entry._blocks[source, streaming] = self._block_lines(source, streaming=streaming)
+                lines += ([BLANK] if i else []) + entry._blocks[source, streaming]
         return lines + [BLANK]
 
-    def _block_lines(self, source: str) -> list[Strip]:
-        """A markdown block's lines. A fenced code block (the block that grows longest while a reply
-        streams) goes straight to Syntax: what Rich's Markdown would make of it, at less than half
-        the cost. Other blocks lose the blank lines Rich puts around some of them (headings): the
-        transcript puts one blank line between any two blocks."""
+    def _block_lines(self, source: str, *, streaming: bool = False) -> list[Strip]:
+        """A markdown block's lines. Blocks other than code lose the blank lines Rich puts around
+        some of them (headings): the transcript puts one blank line between any two blocks."""
         theme = "monokai" if self.app.current_theme.dark else "default"
         fence = FENCE.match(source)
         if fence:
-            code = fence["code"].rstrip("\n")
-            return self._strips(Syntax(code, fence["lang"] or "text", theme=theme, word_wrap=True, padding=1,
-                                       code_width=max(self._width - 2, 1)))  # the panel spans the view
+            return self._code_lines(fence["code"], fence["lang"] or "text", theme, streaming=streaming)
         lines = self._strips(RichMarkdown(source, code_theme=theme, hyperlinks=False))
         while lines and not lines[0].text.strip():
             lines.pop(0)
         while lines and not lines[-1].text.strip():
             lines.pop()
         return lines
+
+    def _code_lines(self, code: str, lang: str, theme: str, *, streaming: bool = False) -> list[Strip]:
+        """A fenced code block drawn as Rich's Syntax draws it (a padded panel across the view,
+        long lines wrapped), built line by line from a cache: only lines whose highlighting changed
+        are rendered again. Syntax itself renders every line on every update (33 ms per update
+        for a 95-line block here).
+
+        A block still streaming is highlighted in top-level pieces (split where a blank line is
+        followed by an unindented line), and only the last piece again: the cost of an update
+        stays flat however long the block gets. A multi-line string spanning such a split can
+        show in the wrong colour until the reply ends; then the whole block is highlighted."""
+        bg = Syntax.get_theme(theme).get_background_style()
+        width = max(self._width - 2, 1)
+        options = self.app.console.options.update(width=width, height=None, justify="left")
+        edge = Segment(" ", bg)
+        panel_edge = Strip([Segment(" " * (width + 2), bg)])
+        code = code.rstrip("\n").expandtabs(4)
+        pieces = TOP_LEVEL_SPLIT.split(code) if streaming else [code]
+        highlighted: list[Text] = []
+        for n, piece in enumerate(pieces):
+            if n:
+                highlighted.append(Text(""))  # the blank line the split took
+            key = (lang, theme, piece)
+            piece_lines = self._highlight_cache.get(key)
+            if piece_lines is None:
+                body = piece.rstrip("\n")  # more blank lines before the split: drawn as such
+                piece_lines = list(Syntax(body, lang, theme=theme).highlight(body).split("\n"))
+                piece_lines += [Text("") for _ in range(len(piece) - len(body))]
+                if n < len(pieces) - 1:
+                    self._highlight_cache[key] = piece_lines  # the last piece still grows
+            highlighted += piece_lines
+        lines = [panel_edge]
+        for line in highlighted:
+            key = (theme, width, line.plain, tuple(line.spans), str(line.style))
+            strips = self._code_cache.get(key)
+            if strips is None:
+                rendered = self.app.console.render_lines(line, options, style=bg, pad=True)
+                strips = [Strip([edge, *segments, edge]) for segments in rendered]
+                self._code_cache[key] = strips
+            lines += strips
+        return lines + [panel_edge]
 
     def _strips(self, renderable) -> list[Strip]:
         console = self.app.console
@@ -237,7 +321,7 @@ class Transcript(ScrollView, can_focus=True):
 
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset
-        width = self.scrollable_content_region.width
+        width = self._width
         n = scroll_y + y
         i = bisect.bisect_right(self._starts, n) - 1
         if 0 <= i < len(self._lines) and n - self._starts[i] < len(self._lines[i]):
@@ -283,11 +367,11 @@ class StatsPanel(Vertical):
     def compose(self):
         yield Static("tokens/s", classes="title")
         yield Sparkline(list(self.rates), id="rate-spark")
-        yield Static("", id="speed")
-        yield Static("", id="context")
-        yield Static("", id="memory")
-        yield Static("", id="spec")
-        yield Static("", id="placement")
+        yield Static("", id="speed", markup=False)
+        yield Static("", id="context", markup=False)
+        yield Static("", id="memory", markup=False)
+        yield Static("", id="spec", markup=False)
+        yield Static("", id="placement", markup=False)
 
     def show_plan(self, plan: placement.Plan) -> None:
         """Where the models live: layers and bytes per device (set once per model load)."""
