@@ -89,6 +89,36 @@ async def test_send_a_message_and_see_the_reply_stream_with_stats():
     assert roles == [("user", "done"), ("assistant", "done")]
 
 
+async def test_draft_marks_and_copying_a_reply_and_its_code():
+    """With the n-gram drafter on a reply that repeats the prompt, F5 shows the drafted tokens
+    styled in the transcript; Ctrl+R and Ctrl+B copy the reply and its last code block."""
+    _save_prefs(max_tokens=120, ngram=True, spec_k=4)  # a fixed k: the governor cannot turn drafting off
+    code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b"
+    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.session is not None)
+        await send(pilot, app, f"Repeat this code exactly, in a python code block:\n\n```python\n{code}\n```")
+        await wait_for(pilot, lambda: not app.generating)
+        reply = replies(app)[-1]
+        assert any(drafted for _, drafted in reply.chunks), app.stats.governor  # some tokens came from the drafter
+        assert "def sub" in reply.code_blocks()[-1]
+
+        view = app.query_one(Transcript)
+        draft_style = view.get_component_rich_style("transcript--draft", partial=True)
+        assert not reply.marks
+        await pilot.press("f5")
+        await wait_for(pilot, lambda: reply.marks)
+        drafted_text = "".join(t for t, d in reply.chunks if d)
+        styled = [seg.text.strip() for strip in view._lines[view.entries.index(reply)] for seg in strip
+                  if seg.style and seg.style.color == draft_style.color and seg.style.bold and seg.text.strip()]
+        assert styled and all(text in drafted_text for text in styled)
+
+        await pilot.press("ctrl+r")
+        assert app.clipboard == reply.text
+        await pilot.press("ctrl+b")
+        assert app.clipboard == reply.code_blocks()[-1] and "def sub" in app.clipboard
+
+
 async def test_escape_stops_the_reply_and_keeps_it_marked():
     _save_prefs(max_tokens=400)
     app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)

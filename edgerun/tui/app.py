@@ -3,6 +3,7 @@ through messages; the UI thread never waits on a model."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections import deque
@@ -37,6 +38,7 @@ W = TypeVar("W")
 # panel, so both land in one screen render: every render is CPU taken from llama.cpp's threads.
 REFRESH_S = 0.25
 GIL_SWITCH_S = 0.0005
+UI_NICE = 10
 VRAM_EVERY = 8    # nvidia-smi is a subprocess: ask it every 8th refresh only
 
 
@@ -75,8 +77,8 @@ class EdgerunApp(App):
         Binding("f3", "settings", "Settings"),
         Binding("f4", "conversations", "Chats"),
         Binding("f5", "toggle_marks", "Draft marks"),
-        Binding("ctrl+y", "copy_reply", "Copy reply"),
-        Binding("ctrl+k", "copy_code", "Copy code"),
+        Binding("ctrl+r", "copy_reply", "Copy reply", show=False),  # not ctrl+y or ctrl+k: the input box has those
+        Binding("ctrl+b", "copy_code", "Copy code", show=False),
         Binding("f1", "help", "Help"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
@@ -120,6 +122,10 @@ class EdgerunApp(App):
         # the UI thread renders, it would wait up to the default 5 ms switch interval with
         # llama.cpp's threads idle. A 0.5 ms interval makes the UI hand the GIL over sooner.
         sys.setswitchinterval(GIL_SWITCH_S)
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), UI_NICE)
+        except (AttributeError, OSError):
+            pass
         self.history = History()
         recovered = self.history.recover()
         if recovered:
