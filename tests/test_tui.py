@@ -156,6 +156,27 @@ async def test_resume_a_saved_conversation_after_restart():
         assert "Ada" in replies(app)[-1].text
 
 
+async def test_resuming_another_conversation_waits_for_the_reply_to_stop():
+    _save_prefs(max_tokens=400)
+    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.session is not None)
+        await send(pilot, app, "Say hi.")
+        await wait_for(pilot, lambda: not app.generating)
+        first = app.session.conversation_id
+        await app.action_new_conversation()
+        await send(pilot, app, "Write a very long story about a lighthouse keeper.")
+        await wait_for(pilot, lambda: app.stats is not None and app.stats.generated_tokens >= 5)
+        await app.show_conversation(first)
+        await wait_for(pilot, lambda: "stop the reply first" in notes(app), timeout=10)
+        assert app.generating
+        assert [e.role for e in app.query_one(Transcript).entries] == ["user", "assistant"]
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.generating, timeout=30)
+        await app.show_conversation(first)
+        assert "Say hi." in _screen_text(app)
+
+
 KILLED_APP = textwrap.dedent("""
     import asyncio, os, signal, time
     from edgerun.settings import EngineSettings
@@ -188,6 +209,39 @@ def test_a_kill_during_a_reply_leaves_the_partial_reply_in_the_database():
         reply = h.messages(conv.id)[-1]
     assert reply.role == "assistant" and reply.status == "interrupted"
     assert len(reply.content) > 20
+
+
+QUIT_MID_REPLY = textwrap.dedent("""
+    import asyncio
+    from edgerun.settings import EngineSettings
+    from edgerun.tui.app import EdgerunApp
+
+    async def main():
+        app = EdgerunApp("qwen2.5-coder-0.5b", draft="none", engine=EngineSettings(n_ctx=2048, gpu_layers="0"))
+        async with app.run_test(size=(100, 30)) as pilot:
+            while app.session is None:
+                await pilot.pause(0.05)
+            app.query_one("#input").text = "Write a long poem about the sea."
+            app.query_one("#input").focus()
+            await pilot.press("enter")
+            while app.stats is None or app.stats.generated_tokens < 10:
+                await pilot.pause(0.02)
+            await pilot.press("ctrl+q")  # quit while llama.cpp is decoding
+        print("exited cleanly")
+
+    asyncio.run(main())
+""")
+
+
+def test_quitting_during_a_reply_exits_cleanly_and_keeps_it():
+    """The model is closed only after the generation loop has returned from llama.cpp (closing
+    it under a running decode crashed the process)."""
+    _save_prefs(max_tokens=400)
+    proc = subprocess.run([sys.executable, "-c", QUIT_MID_REPLY], capture_output=True, timeout=300, env=os.environ)
+    assert proc.returncode == 0 and b"exited cleanly" in proc.stdout, proc.stderr.decode()[-2000:]
+    with History() as h:
+        reply = h.messages(h.list_conversations()[0].id)[-1]
+    assert reply.role == "assistant" and reply.status == "stopped" and reply.content
 
 
 @pytest.mark.parametrize("model,draft,needle", [

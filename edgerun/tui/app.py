@@ -39,6 +39,7 @@ W = TypeVar("W")
 REFRESH_S = 0.25
 GIL_SWITCH_S = 0.0005
 UI_NICE = 10
+STOP_WAIT_S = 30.0  # longest wait for a stopped reply's current round before closing its model
 VRAM_EVERY = 8    # nvidia-smi is a subprocess: ask it every 8th refresh only
 
 
@@ -98,6 +99,8 @@ class EdgerunApp(App):
         self.reply_entry: Entry | None = None
         self._incoming: deque[tuple[str, bool]] = deque()  # (text, from_draft) from the worker, for the tick
         self.cancel = threading.Event()
+        self._generation_idle = threading.Event()  # clear while a generation worker runs
+        self._generation_idle.set()
         self.generating = False
         self.recent: deque[ReplyStats] = deque(maxlen=4)  # for hints that need a while
         self._ticks = 0
@@ -139,9 +142,9 @@ class EdgerunApp(App):
         self.request_load(self.model_spec, self.draft_spec)
 
     def on_unmount(self) -> None:
-        self.cancel.set()
+        stopped = self._stop_generation()
         self.workers.cancel_all()
-        if self.session is not None:
+        if self.session is not None and stopped:
             self.session.runner.close()
         if self.history is not None:
             self.history.close()
@@ -167,7 +170,7 @@ class EdgerunApp(App):
         self.session = ChatSession(event.runner, self.history, model_name=event.request.model,
                                    system=self.prefs.system_prompt,
                                    conversation_id=old.conversation_id if old else self.resume)
-        if old is not None:
+        if old is not None and self._stop_generation():
             old.runner.close()
         self.model_spec, self.draft_spec = event.request.model, event.request.draft
         self.prefs = self.prefs.replace(last_model=event.request.model)
@@ -202,6 +205,7 @@ class EdgerunApp(App):
         transcript.add(self.reply_entry)
         transcript.scroll_end(animate=False)  # and it follows the reply until the user scrolls up
         self.generating = True
+        self._generation_idle.clear()
         self.query_one(ChatInput).cursor_blink = False  # a blink is a render: none while llama.cpp works
         self.cancel = threading.Event()
         self.stats = ReplyStats()
@@ -218,7 +222,16 @@ class EdgerunApp(App):
         except EdgerunError as exc:
             self.post_message(ReplyDone("interrupted", str(exc)))
             return
+        finally:
+            self._generation_idle.set()
         self.post_message(ReplyDone("stopped" if stats.finish == "cancelled" else "done"))
+
+    def _stop_generation(self) -> bool:
+        """Stop the reply being written and wait until llama.cpp has returned (the loop stops after
+        the current round): a runner closed under a running decode would crash the process.
+        False if it did not return in time; then the runner must be left open."""
+        self.cancel.set()
+        return self._generation_idle.wait(STOP_WAIT_S)
 
     def tick(self) -> None:
         with self.batch_update():  # text and stats land in one render
@@ -286,6 +299,9 @@ class EdgerunApp(App):
     # ----- conversations and screens ----------------------------------------------------------------
 
     async def show_conversation(self, conv_id: int) -> None:
+        if self.generating:
+            self.notify("stop the reply first (Esc), then resume", severity="warning")
+            return
         transcript = self._main_widget(Transcript)
         transcript.clear()
         for m in self.history.messages(conv_id):
