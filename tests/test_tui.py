@@ -177,31 +177,36 @@ async def test_resuming_another_conversation_waits_for_the_reply_to_stop():
         assert "Say hi." in _screen_text(app)
 
 
-KILLED_APP = textwrap.dedent("""
-    import asyncio, os, signal, time
-    from edgerun.settings import EngineSettings
-    from edgerun.tui.app import EdgerunApp
+def _mid_reply_script(then: str) -> str:
+    """A script that starts the app on the 0.5B model in its own process, asks for a long reply,
+    and once tokens stream runs `then` (one line of code) inside the app."""
+    return textwrap.dedent("""
+        import asyncio, os, signal, time
+        from edgerun.settings import EngineSettings
+        from edgerun.tui.app import EdgerunApp
 
-    async def main():
-        app = EdgerunApp("qwen2.5-coder-0.5b", draft="none", engine=EngineSettings(n_ctx=2048, gpu_layers="0"))
-        async with app.run_test(size=(100, 30)) as pilot:
-            while app.session is None:
-                await pilot.pause(0.05)
-            app.query_one("#input").text = "Write a long poem about the sea."
-            app.query_one("#input").focus()
-            await pilot.press("enter")
-            while app.stats is None or app.stats.generated_tokens < 20:
-                await pilot.pause(0.02)
-            time.sleep(0.3)  # let the streamed text reach the database
-            os.kill(os.getpid(), signal.SIGKILL)
+        async def main():
+            app = EdgerunApp("qwen2.5-coder-0.5b", draft="none", engine=EngineSettings(n_ctx=2048, gpu_layers="0"))
+            async with app.run_test(size=(100, 30)) as pilot:
+                while app.session is None:
+                    await pilot.pause(0.05)
+                app.query_one("#input").text = "Write a long poem about the sea."
+                app.query_one("#input").focus()
+                await pilot.press("enter")
+                while app.stats is None or app.stats.generated_tokens < 20:
+                    await pilot.pause(0.02)
+                THEN
+            print("exited cleanly")
 
-    asyncio.run(main())
-""")
+        asyncio.run(main())
+    """).replace("THEN", then)
 
 
 def test_a_kill_during_a_reply_leaves_the_partial_reply_in_the_database():
     _save_prefs(max_tokens=400)
-    proc = subprocess.run([sys.executable, "-c", KILLED_APP], capture_output=True, timeout=300, env=os.environ)
+    # let the streamed text reach the database, then die
+    script = _mid_reply_script("time.sleep(0.3); os.kill(os.getpid(), signal.SIGKILL)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300, env=os.environ)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     with History() as h:
         conv = h.list_conversations()[0]
@@ -211,33 +216,12 @@ def test_a_kill_during_a_reply_leaves_the_partial_reply_in_the_database():
     assert len(reply.content) > 20
 
 
-QUIT_MID_REPLY = textwrap.dedent("""
-    import asyncio
-    from edgerun.settings import EngineSettings
-    from edgerun.tui.app import EdgerunApp
-
-    async def main():
-        app = EdgerunApp("qwen2.5-coder-0.5b", draft="none", engine=EngineSettings(n_ctx=2048, gpu_layers="0"))
-        async with app.run_test(size=(100, 30)) as pilot:
-            while app.session is None:
-                await pilot.pause(0.05)
-            app.query_one("#input").text = "Write a long poem about the sea."
-            app.query_one("#input").focus()
-            await pilot.press("enter")
-            while app.stats is None or app.stats.generated_tokens < 10:
-                await pilot.pause(0.02)
-            await pilot.press("ctrl+q")  # quit while llama.cpp is decoding
-        print("exited cleanly")
-
-    asyncio.run(main())
-""")
-
-
 def test_quitting_during_a_reply_exits_cleanly_and_keeps_it():
     """The model is closed only after the generation loop has returned from llama.cpp (closing
     it under a running decode crashed the process)."""
     _save_prefs(max_tokens=400)
-    proc = subprocess.run([sys.executable, "-c", QUIT_MID_REPLY], capture_output=True, timeout=300, env=os.environ)
+    script = _mid_reply_script('await pilot.press("ctrl+q")')  # quit while llama.cpp is decoding
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300, env=os.environ)
     assert proc.returncode == 0 and b"exited cleanly" in proc.stdout, proc.stderr.decode()[-2000:]
     with History() as h:
         reply = h.messages(h.list_conversations()[0].id)[-1]
