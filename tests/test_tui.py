@@ -119,6 +119,25 @@ async def test_draft_marks_and_copying_a_reply_and_its_code():
         assert app.clipboard == reply.code_blocks()[-1] and "def sub" in app.clipboard
 
 
+async def test_keys_typed_just_before_enter_are_all_sent():
+    """Keys arrive from the terminal as fast as they were typed or pasted; Enter must not
+    overtake the characters before it (it did as a priority binding: "Write a hai")."""
+    from textual import events
+    from textual.keys import _character_to_key
+
+    text = "Write a haiku about the sea."
+    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.session is not None)
+        app.query_one("#input").focus()
+        for ch in text:  # as the terminal driver posts them: no waiting in between
+            app.post_message(events.Key(_character_to_key(ch), ch))
+        app.post_message(events.Key("enter", "\r"))
+        await wait_for(pilot, lambda: len(app.query_one(Transcript).entries) == 2)
+        assert app.query_one(Transcript).entries[0].text == text
+        await wait_for(pilot, lambda: not app.generating)
+
+
 async def test_escape_stops_the_reply_and_keeps_it_marked():
     _save_prefs(max_tokens=400)
     app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)

@@ -13,6 +13,7 @@ from rich.markdown import Markdown as RichMarkdown
 from rich.segment import Segment
 from rich.syntax import Syntax
 from rich.text import Text
+from textual import events
 from textual.binding import Binding
 from textual.cache import LRUCache
 from textual.containers import Vertical
@@ -45,7 +46,7 @@ class ChatInput(TextArea):
     last line walk the history of sent messages."""
 
     BINDINGS = [
-        Binding("enter", "submit", "Send", show=True, priority=True),
+        Binding("enter", "submit", "Send", show=True),  # for the footer; _on_key acts on it
         Binding("ctrl+j,shift+enter", "newline", "New line", show=False),
     ]
 
@@ -58,6 +59,17 @@ class ChatInput(TextArea):
         super().__init__(soft_wrap=True, show_line_numbers=False, **kwargs)
         self.sent: list[str] = []
         self._recall = 0
+
+    async def _on_key(self, event: events.Key) -> None:
+        # Enter is handled here, in the order keys arrive, not as a priority binding: the app
+        # runs those before the keys still queued for this box, so text typed or pasted just
+        # before Enter was cut off ("... the se" of "... the sea.").
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            self.action_submit()
+            return
+        await super()._on_key(event)
 
     def action_submit(self) -> None:
         text = self.text.strip()
