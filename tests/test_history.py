@@ -298,10 +298,11 @@ def test_a_reply_survives_the_process_being_killed_mid_stream(home):
 def test_a_worker_thread_streams_while_the_ui_thread_reads(hist):
     conv = hist.new_conversation("m")
     hist.add_message(conv, "user", "go")
-    finished, errors = threading.Event(), []
+    reading, finished, errors = threading.Event(), threading.Event(), []
 
     def worker():  # the Textual thread worker: it did not create the History
         try:
+            reading.wait(timeout=30)  # start once the UI side reads (on a loaded machine it could finish first)
             reply = hist.begin_reply(conv)
             for i in range(300):
                 hist.append_reply(reply, f"{i} ")
@@ -319,6 +320,7 @@ def test_a_worker_thread_streams_while_the_ui_thread_reads(hist):
         hist.list_conversations()
         hist.add_message(other, "user", "typed meanwhile")  # a transaction of its own
         reads += 1
+        reading.set()
     thread.join()
     assert errors == [] and reads > 0
     assert len(hist.messages(other)) == reads
