@@ -62,6 +62,7 @@ async def test_a_streamed_reply_is_drawn_like_the_whole_text():
                 streamed.chunks.append((piece, False))
                 view.changed(streamed)
             assert _drawn(view, streamed) == _drawn(view, whole)
+            assert len(streamed._blocks) == len(whole._blocks)  # no stale versions of the growing block kept
         text = "\n".join(strip.text for strip in view._lines[0])
         assert "def is_palindrome" in text and "How it works" in text and "```" not in text
 

@@ -133,7 +133,7 @@ class Entry:
         lines = self.text.splitlines(keepends=True)
         tail = lines[self._tail_line:]
         starts = [t.map for t in _parser().parse("".join(tail)) if t.map is not None and t.level == 0]
-        for (a, b), nxt in zip(starts, starts[1:]):
+        for a, b in starts[:-1]:
             self._done.append("".join(tail[a:b]))
         if starts:
             a, b = starts[-1]
@@ -264,14 +264,14 @@ class Transcript(ScrollView, can_focus=True):
             lines += self._strips(text)
         else:
             sources = entry.block_sources()
-            for i, source in enumerate(sources):
-                streaming = entry.status == "streaming" and i == len(sources) - 1
-                if (source, streaming) not in entry._blocks:
-                    entry._blocks[source, streaming] = self._block_lines(source, streaming=streaming)
-                lines += ([BLANK] if i else []) + entry._blocks[source, streaming]
+            keys = [(source, entry.status == "streaming" and i == len(sources) - 1) for i, source in enumerate(sources)]
+            # keep only the blocks shown now: a streaming tail leaves a stale version every update
+            entry._blocks = {key: entry._blocks.get(key) or self._block_lines(*key) for key in keys}
+            for i, key in enumerate(keys):
+                lines += ([BLANK] if i else []) + entry._blocks[key]
         return lines + [BLANK]
 
-    def _block_lines(self, source: str, *, streaming: bool = False) -> list[Strip]:
+    def _block_lines(self, source: str, streaming: bool = False) -> list[Strip]:
         """A markdown block's lines. Blocks other than code lose the blank lines Rich puts around
         some of them (headings): the transcript puts one blank line between any two blocks."""
         theme = "monokai" if self.app.current_theme.dark else "default"
