@@ -125,6 +125,8 @@ class EdgerunApp(App):
         # the UI thread renders, it would wait up to the default 5 ms switch interval with
         # llama.cpp's threads idle. A 0.5 ms interval makes the UI hand the GIL over sooner.
         sys.setswitchinterval(GIL_SWITCH_S)
+        # This thread (the UI) yields the CPU to llama.cpp's threads when both want it; it still
+        # gets the few percent it needs. Linux sets nice per thread; it cannot be undone unprivileged.
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), UI_NICE)
         except (AttributeError, OSError):
