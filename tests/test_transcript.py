@@ -159,3 +159,8 @@ async def test_a_code_block_is_drawn_as_rich_syntax_draws_it():
             return [[(ch, seg.style) for seg in strip for ch in seg.text] for strip in strips]
         assert cells(ours) == cells(theirs)
         assert len(ours) > code.count("\n") + 2  # the long line wrapped
+
+
+def test_code_blocks_are_the_fenced_blocks_only():
+    entry = Entry("assistant", "Use ```x``` inline.\n\n```python\ndef a():\n    pass\n```\n\ntext\n\n~~~\nb = 1\n~~~\n")
+    assert entry.code_blocks() == ["def a():\n    pass\n", "b = 1\n"]

@@ -26,8 +26,8 @@ from textual.widgets import Sparkline, Static, TextArea
 from edgerun.decode.stats import ReplyStats
 from edgerun.runtime import placement
 
-CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)```", re.DOTALL)
-FENCE = re.compile(r"(?P<mark>```+|~~~+)[ \t]*(?P<lang>[^\s`]*)[^\n]*\n(?P<code>.*?)(?:^[ \t]*(?P=mark)[ \t]*$|\Z)",
+# a fenced code block at the start of a line; an unclosed one (still streaming) runs to the end
+FENCE = re.compile(r"^[ \t]*(?P<mark>```+|~~~+)[ \t]*(?P<lang>[^\s`]*)[^\n]*\n(?P<code>.*?)(?:^[ \t]*(?P=mark)[ \t]*$|\Z)",
                    re.DOTALL | re.MULTILINE)
 TOP_LEVEL_SPLIT = re.compile(r"\n\n(?=\S)")  # a blank line, then an unindented line
 BLANK = Strip.blank(0)
@@ -125,7 +125,7 @@ class Entry:
         return name + suffix
 
     def code_blocks(self) -> list[str]:
-        return CODE_BLOCK.findall(self.text)
+        return [fence["code"] for fence in FENCE.finditer(self.text)]
 
     def block_sources(self) -> list[str]:
         """The text split into top-level markdown blocks. Only the text from the last block on is
@@ -340,8 +340,8 @@ class Transcript(ScrollView, can_focus=True):
             strip = self._lines[i][n - self._starts[i]]
         else:
             strip = BLANK
-        # the view scrolls a line or more per update while it follows a reply: a line that only
-        # moved is taken from the cache, not cropped and styled again
+        # a scroll (the half-screen jump while following a reply, or the user's) moves lines
+        # without changing them: those come from the cache, not cropped and styled again
         key = (id(strip), scroll_x, width)
         cached = self._line_cache.get(key)
         if cached is None or cached[0] is not strip:
