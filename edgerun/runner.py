@@ -134,6 +134,12 @@ class Runner:
         for n in (1, *range(1, widest + 1)):  # the single-token step twice: it is nearly every step
             self.ctx.eval([token] * n, all_logits=True)
             self.ctx.trim(0)
+        # a plain greedy reply picks in the graph (generate.py): that is another graph; left
+        # attached, a greedy reply starts warm and another reply detaches it once
+        if not speculating and self.ctx.greedy_on_device(self.ctx.output_on_gpu):
+            for _ in range(2):
+                self.ctx.eval([token])
+            self.ctx.trim(0)
         if self.draft_ctx is not None:
             for _ in range(2):
                 self.draft_ctx.eval([token])

@@ -153,6 +153,9 @@ RoundResult run_round(const RoundInput& in, Rng& rng) {
 
 llama_token sample_context(llama_context* ctx, int idx, const std::vector<int32_t>& history,
                            const SamplerParams& p, Rng& rng) {
+    // a greedy sampler attached to the context (Context.greedy_on_device) picked in the graph
+    const llama_token picked = llama_get_sampled_token_ith(ctx, idx);
+    if (picked != LLAMA_TOKEN_NULL) return picked;
     const float* logits = llama_get_logits_ith(ctx, idx);
     if (!logits) return -1;
     const int n_vocab = n_vocab_of(ctx);

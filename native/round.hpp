@@ -44,7 +44,8 @@ struct RoundResult {
 
 RoundResult run_round(const RoundInput& in, Rng& rng);
 
-// Sample from output `idx` of the last decode of ctx (the first token after a prompt).
+// Sample from output `idx` of the last decode of ctx (the first token after a prompt), or take
+// the token a greedy sampler attached to ctx picked inside the graph.
 llama_token sample_context(llama_context* ctx, int idx, const std::vector<int32_t>& history,
                            const SamplerParams& p, Rng& rng);
 

@@ -6,7 +6,9 @@ import threading
 
 import pytest
 
-from edgerun.decode.generate import Prefill, Step
+from edgerun.decode.generate import Prefill, Step, generate
+from edgerun.decode.speculative import SpecConfig
+from edgerun.errors import EngineError
 from edgerun.decode.stats import ReplyStats
 from edgerun.runner import Runner
 from edgerun.settings import EngineSettings, SamplerSettings
@@ -109,3 +111,27 @@ def test_utf8_split_across_tokens_is_decoded_whole(runner):
     _, steps, text = _reply(runner, _user("Write the Chinese word for 'speed' and nothing else."), max_tokens=16)
     assert "\ufffd" not in text
     assert any("\u4e00" <= ch <= "\u9fff" for ch in text)
+
+
+def test_a_greedy_pick_inside_the_graph_matches_the_hosts(runner):
+    """On a GPU a plain greedy reply lets llama.cpp pick each token in its graph (one id copied
+    back instead of the logits); the CPU backend runs the same sampler, so the path is checked
+    here: the same tokens as the host's argmax, and the logits are back once it is detached."""
+    tokens = runner.chat_tokens(_user("Write a Python function that reverses a string."))
+    replies = {}
+    for on_device in (False, True):
+        runner.ctx.trim(0)
+        spec = SpecConfig(device_greedy=on_device)
+        steps = [r for r in generate(runner.ctx, tokens, GREEDY, max_tokens=40, spec=spec) if isinstance(r, Step)]
+        replies[on_device] = [s.token for s in steps]
+        assert runner.ctx.picks_on_device == on_device
+        if on_device:
+            with pytest.raises(EngineError, match="no logits"):
+                runner.ctx.logits()
+    assert replies[True] == replies[False] and len(replies[True]) == 40
+    hot = SamplerSettings(temperature=0.8, seed=3)  # sampling needs the logits: detached again
+    runner.ctx.trim(0)
+    assert any(isinstance(r, Step) for r in generate(runner.ctx, tokens, hot, max_tokens=4,
+                                                    spec=SpecConfig(device_greedy=True)))
+    assert not runner.ctx.picks_on_device
+    assert runner.ctx.logits().shape == (runner.model.n_vocab,)

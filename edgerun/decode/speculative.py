@@ -29,6 +29,10 @@ class SpecConfig:
     # the draft decodes one token at a time, every one with logits (None: when it runs on a GPU,
     # where a batch shape change costs a CUDA graph capture; see native/round.hpp)
     stable_shapes: bool | None = None
+    # with no drafter and greedy sampling without penalty, llama.cpp picks each token in its graph
+    # and copies back the id, not n_vocab logits (None: when the output layer is on a GPU, where
+    # that copy and the host's read of it cost about 5% of a step; see Context.greedy_on_device)
+    device_greedy: bool | None = None
     # what the governor measured, kept across replies of a session (costs do not change per reply)
     governors: dict = field(default_factory=dict, compare=False)
 

@@ -155,12 +155,16 @@ class Context:
         self.batch = Batch(self.n_batch)
         self.mem = llama_cpp.llama_get_memory(self.ptr)
         self.tokens: list[int] = []  # what the KV cache holds, position by position
+        self._device_greedy = None  # the sampler chain llama.cpp runs in the graph, while attached
 
     def close(self) -> None:
         if self.ptr:
             self.batch.close()
             llama_cpp.llama_free(self.ptr)
             self.ptr = None
+        if self._device_greedy is not None:  # after the context: it points to the chain
+            llama_cpp.llama_sampler_free(self._device_greedy)
+            self._device_greedy = None
 
     def __enter__(self) -> "Context":
         return self
@@ -219,9 +223,40 @@ class Context:
         """Make the cache hold `prompt` with the logits of its last token ready."""
         return self.sync(prompt, need_logits=True)
 
+    @property
+    def output_on_gpu(self) -> bool:
+        """llama.cpp puts the output layer on the GPU once n_gpu_layers exceeds the block count."""
+        return self.model.n_gpu_layers > self.model.info.n_layers > 0
+
+    @property
+    def picks_on_device(self) -> bool:
+        return self._device_greedy is not None
+
+    def greedy_on_device(self, on: bool) -> bool:
+        """Attach (or detach) a greedy pick inside llama.cpp's graph. While attached, a decode
+        copies one token id back (read by _native.sample_context) instead of a row of n_vocab
+        logits, and no logits are available: only plain greedy decoding may run. With the output
+        layer on a GPU that saves the logits' copy and the host's read of them, about 60 µs per
+        token. The next decode after a change re-plans llama.cpp's graph. Returns whether it is
+        attached."""
+        if on == (self._device_greedy is not None):
+            return on
+        if not on:
+            llama_cpp.llama_set_sampler(self.ptr, 0, None)
+            llama_cpp.llama_sampler_free(self._device_greedy)
+            self._device_greedy = None
+            return False
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+        if not llama_cpp.llama_set_sampler(self.ptr, 0, chain):  # this backend cannot: pick on the host
+            llama_cpp.llama_sampler_free(chain)
+            return False
+        self._device_greedy = chain
+        return True
+
     def logits(self, i: int = -1) -> np.ndarray:
         """Logits of output i of the last decode (-1: the last), as a NumPy view (no copy)."""
-        ptr = llama_cpp.llama_get_logits_ith(self.ptr, i)
+        ptr = llama_cpp.llama_get_logits_ith(self.ptr, i) if self._device_greedy is None else None
         if not ptr:
             raise EngineError(f"no logits for output {i}")
         return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
