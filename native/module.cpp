@@ -1,4 +1,4 @@
-// edgerun._native: the Python face of the speculative round, the sampling math, the importance-matrix
+// edgerun._native_ext (imported as edgerun._native, after llama_cpp): the Python face of the speculative round, the sampling math, the importance-matrix
 // collector and ggml's quantizers.
 // Python owns every llama.cpp handle and passes raw addresses in; nothing here frees them.
 #include <pybind11/numpy.h>
@@ -178,7 +178,7 @@ py::dict gguf_tensors(const std::string& path) {
 
 }  // namespace
 
-PYBIND11_MODULE(_native, m) {
+PYBIND11_MODULE(_native_ext, m) {
     m.doc() = "edgerun's native hot path: the speculative round, the sampling math, the imatrix and the quantizers";
 
     py::class_<SamplerParams>(m, "SamplerParams")

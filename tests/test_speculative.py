@@ -211,3 +211,12 @@ def test_a_draft_that_cannot_win_is_judged_at_load_and_never_run(small_model):
         assert len(tokens) == 32
         assert r.draft_ctx.n_past == 0 and sum(x.drafted for x in rounds) == 0, (state, [x.decided for x in rounds])
         assert "even 100% acceptance cannot beat plain" in rounds[-1].decided
+        # once the governor gave up on the draft, plain steps may pick in llama.cpp's graph (what
+        # a GPU does; forced here), with the same tokens as the host's argmax
+        plain, _, _ = _run(r.ctx, r.chat_tokens(_user(PROMPTS[1])), GREEDY, 40, SpecConfig())
+        assert not r.ctx.picks_on_device
+        forced = replace(r.spec, device_greedy=True)
+        picked, _, rounds = _run(r.ctx, r.chat_tokens(_user(PROMPTS[1])), GREEDY, 40, forced)
+        assert picked == plain and r.ctx.picks_on_device
+        _run(r.ctx, r.chat_tokens(_user(PROMPTS[1])), GREEDY.replace(temperature=0.5), 4, forced)
+        assert not r.ctx.picks_on_device  # sampling needs the logits

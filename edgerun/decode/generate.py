@@ -81,11 +81,9 @@ def generate(
 ) -> Iterator[Prefill | Step | Round]:
     """Evaluate the prompt, then decode up to max_tokens tokens, yielding each as it is ready."""
     start = time.perf_counter()
-    spec = spec or SpecConfig()
     penalized = sampling.repeat_penalty != 1.0 and sampling.repeat_last_n != 0
-    plain_greedy = sampling.temperature <= 0 and not penalized and spec.draft is None and not spec.ngram
-    wanted = ctx.output_on_gpu if spec.device_greedy is None else spec.device_greedy
-    ctx.greedy_on_device(plain_greedy and wanted)  # a speculative round needs the logits
+    speculator = Speculator(spec or SpecConfig(), ctx, prompt, greedy=sampling.temperature <= 0 and not penalized)
+    speculator.settle_sampler()  # before the prompt: its last output is the first pick
     evaluated = ctx.prefill(prompt)
     yield Prefill(len(prompt), evaluated, time.perf_counter() - start)
     params = native_params(sampling)
@@ -94,7 +92,6 @@ def generate(
     emit = _Emitter(ctx, max_tokens, cancel, start)
     last = _native.sample_context(ctx.address, -1, history, params, rng)
     yield emit.step(last, False)
-    speculator = Speculator(spec, ctx, prompt)
     while not emit.done:
         if history:
             history = (history + [last])[-sampling.repeat_last_n:]

@@ -53,8 +53,12 @@ class Round:
 class Speculator:
     """Per-reply state: drafters, one governor state per drafter, and round arguments."""
 
-    def __init__(self, cfg: SpecConfig, target: Context, prompt: list[int]):
+    def __init__(self, cfg: SpecConfig, target: Context, prompt: list[int], *, greedy: bool = False):
+        """greedy: the reply samples greedily without penalty, so plain steps may pick in
+        llama.cpp's graph (cfg.device_greedy decides where that pays)."""
         self.cfg, self.target = cfg, target
+        wanted = target.output_on_gpu if cfg.device_greedy is None else cfg.device_greedy
+        self.device_greedy = greedy and wanted
         self.ngram = NgramDrafter() if cfg.ngram else None
         if self.ngram:
             self.ngram.reset(prompt)
@@ -98,18 +102,32 @@ class Speculator:
             self.gov["model"] = governor.caught_up(self.gov["model"], lag, self._catch_up_s)
         return self.target.tokens[keep:] + [last], keep
 
+    def _until_probe(self) -> int | None:
+        """Plain tokens until the governor re-checks the model draft; 0 or less: it gave up on the
+        draft for this reply (costs alone rule it out); None: no governed model draft."""
+        if self.cfg.draft is None or self.cfg.k is not None:
+            return None
+        state = self.gov["model"]
+        return state.probe_every - state.plain_rounds
+
     def _plain_steps(self, remaining: int) -> int:
         """How many plain tokens one native call may decode: one while an n-gram match could start
         at any token; up to the governor's next re-check of a losing draft; else PLAIN_STEPS."""
         if self.ngram:
             return 1
         steps = PLAIN_STEPS
-        if self.cfg.draft is not None and self.cfg.k is None:
-            state = self.gov["model"]
-            until_probe = state.probe_every - state.plain_rounds
-            if until_probe > 0:  # none left: the governor gave up on the draft (costs alone rule it out)
-                steps = min(steps, until_probe)
+        until_probe = self._until_probe()
+        if until_probe is not None and until_probe > 0:
+            steps = min(steps, until_probe)
         return max(1, min(steps, remaining))
+
+    def settle_sampler(self, drafting: bool = False) -> None:
+        """Let plain steps pick in llama.cpp's graph once this reply will not need the target's
+        logits again: no drafter, or a model draft the governor gave up on. A switch re-plans
+        llama.cpp's graph, so it never flips back and forth between rounds."""
+        until_probe = self._until_probe()
+        done_drafting = self.cfg.draft is None or (until_probe is not None and until_probe <= 0)
+        self.target.greedy_on_device(self.device_greedy and not drafting and self.ngram is None and done_drafting)
 
     def round_args(self, last: int, remaining: int = 1) -> dict:
         """Arguments for _native.round (minus history, params, rule, rng). `remaining`: tokens the
@@ -128,6 +146,7 @@ class Speculator:
             keep = self.cfg.draft.shared_prefix(self.target.tokens)  # once per round: O(context)
             k, why = self._choose("model", None, remaining, lag=len(self.target.tokens) - keep)
             self._pending = ("model", k, why)
+            self.settle_sampler(drafting=k > 0)
             if k > 0:
                 feed, n_past = self._prepare_draft(last, keep)
                 return args | dict(k=k, draft=self.cfg.draft.address, draft_feed=feed, draft_n_past=n_past,
