@@ -50,6 +50,11 @@ if [ -n "$cpu_flags" ]; then
   cmake_args+=" -DGGML_AVX512_VBMI=$(onoff avx512vbmi) -DGGML_AVX512_VNNI=$(onoff avx512_vnni)"
   cmake_args+=" -DGGML_AVX512_BF16=$(onoff avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 fi
+# Keep the symbols of static archives private to each library. Some toolchains link libstdc++
+# statically into every shared object (seen on a CUDA image whose g++ wraps its own runtime); each
+# libggml/libllama then exported its own copy of libstdc++, calls bound across copies, and a model
+# load crashed in iostream code whenever another extension had loaded the system libstdc++ first.
+cmake_args+=" -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL"
 cmake_args+=" -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
 
 stamp="$state/.llama-cpp-python.stamp"
