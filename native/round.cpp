@@ -131,19 +131,26 @@ RoundResult run_round(const RoundInput& in, Rng& rng) {
     Batch batch(static_cast<int>(tokens.size()));
     batch.set(tokens, in.target_n_past, true);
     if (llama_decode(in.target, batch.b) != 0) { res.error = "target llama_decode failed"; return res; }
-    const int n_vocab = n_vocab_of(in.target);
-    std::vector<const float*> rows(tokens.size());
-    for (size_t i = 0; i < tokens.size(); ++i) {
-        rows[i] = llama_get_logits_ith(in.target, static_cast<int32_t>(i));
-        if (!rows[i]) { res.error = "target produced no logits"; return res; }
+    if (res.drafts.empty()) {
+        // a plain step: the same pick as verifying no drafts, and it takes a token that a greedy
+        // sampler attached to the target picked in the graph (no logits are copied back then)
+        res.next = sample_context(in.target, 0, in.history, in.params, rng);
+        if (res.next < 0) { res.error = "target produced no logits"; return res; }
+    } else {
+        const int n_vocab = n_vocab_of(in.target);
+        std::vector<const float*> rows(tokens.size());
+        for (size_t i = 0; i < tokens.size(); ++i) {
+            rows[i] = llama_get_logits_ith(in.target, static_cast<int32_t>(i));
+            if (!rows[i]) { res.error = "target produced no logits"; return res; }
+        }
+        const bool point_mass = !in.draft;  // n-gram proposals: q(x) = 1
+        const Verdict v = verify(rows, n_vocab, res.drafts, point_mass ? std::vector<std::vector<float>>{} : q,
+                                 in.history, in.params, in.rule, rng);
+        res.accepted = v.accepted;
+        res.next = v.next;
     }
-    const bool point_mass = !in.draft;  // n-gram proposals: q(x) = 1
-    const Verdict v = verify(rows, n_vocab, res.drafts, point_mass ? std::vector<std::vector<float>>{} : q,
-                             in.history, in.params, in.rule, rng);
-    res.accepted = v.accepted;
-    res.next = v.next;
     // keep `last` and the accepted drafts in the target's KV; the rejected tail goes
-    if (!llama_memory_seq_rm(llama_get_memory(in.target), 0, in.target_n_past + 1 + v.accepted, -1)) {
+    if (!llama_memory_seq_rm(llama_get_memory(in.target), 0, in.target_n_past + 1 + res.accepted, -1)) {
         res.error = "could not trim the target's KV cache";
     }
     if (res.error.empty() && res.drafts.empty() && in.plain_steps > 1) plain_run(in, rng, batch, res, t1);

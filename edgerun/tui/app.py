@@ -41,6 +41,8 @@ GIL_SWITCH_S = 0.0005
 UI_NICE = 10
 STOP_WAIT_S = 30.0  # longest wait for a stopped reply's current round before closing its model
 VRAM_EVERY = 8    # nvidia-smi is a subprocess: ask it every 8th refresh only
+MEMORY_EVERY = 4  # RSS and free RAM (reads of /proc): once a second
+SPARK_EVERY = 4   # a tokens/s point on the sparkline: once a second (the numbers: every refresh)
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,8 @@ class EdgerunApp(App):
         self._ticks = 0
         self._process = psutil.Process()  # one handle, not one per refresh
         self._vram: str | None = None
+        self._memory = (0, 0)  # (RSS, free RAM) as last read
+        self._widgets: dict = {}  # main-screen widgets found so far (a query walks the DOM)
 
     # ----- layout -------------------------------------------------------------------------------
 
@@ -276,13 +280,16 @@ class EdgerunApp(App):
         if self.live and self._ticks % VRAM_EVERY == 1 and devices.gpu_offload_supported():
             cards = devices.gpus()
             self._vram = ", ".join(f"{(g.total - g.free) / 2**30:.1f}/{g.total / 2**30:.0f} GiB" for g in cards)
+        if self.live and (self._ticks % MEMORY_EVERY == 1 or not self.generating):
+            self._memory = (self._process.memory_info().rss, devices.free_ram())
         panel = self._main_widget(StatsPanel)
         if panel is None:
             return
+        rss, free_ram = self._memory
         panel.show(
             self.stats, n_ctx_used=ctx.n_past if ctx else 0, n_ctx=ctx.n_ctx if ctx else self.engine.n_ctx,
-            rss=self._process.memory_info().rss if self.live else 0,
-            free_ram=devices.free_ram() if self.live else 0, vram=self._vram, live=self.generating,
+            rss=rss, free_ram=free_ram, vram=self._vram, live=self.generating,
+            sample=self._ticks % SPARK_EVERY == 0,
         )
 
     def set_status(self, text: str) -> None:
@@ -293,10 +300,16 @@ class EdgerunApp(App):
     def _main_widget(self, kind: type[W], selector: str | None = None) -> W | None:
         """A widget of the main screen, found even while another screen is on top; None while the
         main screen is still being built or already torn down (a timer can tick then)."""
+        known = self._widgets.get(selector or kind)
+        if known is not None and known.is_attached:
+            return known
         if not self.screen_stack:
             return None
         found = self.screen_stack[0].query(selector or kind)
-        return found.first(kind) if found else None
+        if not found:
+            return None
+        self._widgets[selector or kind] = widget = found.first(kind)
+        return widget
 
     # ----- conversations and screens ----------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from textual.message import Message
 from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
+from textual.widget import Widget
 from textual.widgets import Sparkline, Static, TextArea
 
 from edgerun.decode.stats import ReplyStats
@@ -366,6 +367,7 @@ class StatsPanel(Vertical):
         super().__init__(**kwargs)
         self.rates: deque[float] = deque([0.0], maxlen=60)
         self._shown: dict[str, str] = {}
+        self._statics: dict[str, Widget] = {}  # found once: a query per update parses a selector
 
     def _set(self, widget_id: str, text: str) -> None:
         # Every screen update is CPU taken from llama.cpp: skip unchanged text, and re-lay out the
@@ -374,7 +376,14 @@ class StatsPanel(Vertical):
         old = self._shown.get(widget_id)
         if old != text:
             self._shown[widget_id] = text
-            self.query_one(f"#{widget_id}", Static).update(text, layout=old is None or _shape(old) != _shape(text))
+            if widget_id not in self._statics:
+                self._statics[widget_id] = self.query_one(f"#{widget_id}", Static)
+            self._statics[widget_id].update(text, layout=old is None or _shape(old) != _shape(text))
+
+    def _sparkline(self) -> Sparkline:
+        if "rate-spark" not in self._statics:
+            self._statics["rate-spark"] = self.query_one("#rate-spark", Sparkline)
+        return self._statics["rate-spark"]
 
     def compose(self):
         yield Static("tokens/s", classes="title")
@@ -393,11 +402,13 @@ class StatsPanel(Vertical):
         self._set("placement", text)
 
     def show(self, stats: ReplyStats | None, *, n_ctx_used: int, n_ctx: int, rss: int, free_ram: int,
-             vram: str | None, live: bool) -> None:
+             vram: str | None, live: bool, sample: bool = True) -> None:
+        """`sample`: add the current speed to the sparkline (a point a second: Textual's sparkline
+        costs about 1 ms to draw on a 2-core machine, the numbers beside it a fraction of that)."""
         s = stats or ReplyStats()
-        if live and s.generated_tokens > 1:
+        if live and sample and s.generated_tokens > 1:
             self.rates.append(s.decode_tok_s)
-            self.query_one("#rate-spark", Sparkline).data = list(self.rates)
+            self._sparkline().data = list(self.rates)
         self._set(
             "speed", f"decode  {s.decode_tok_s:6.1f} tok/s\nTTFT    {s.ttft_s * 1000:6.0f} ms\n"
             f"TPOT    {s.tpot_s * 1000:6.1f} ms\nprompt  {s.prompt_tok_s:6.0f} tok/s\ntokens  {s.generated_tokens:6d}"
