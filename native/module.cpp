@@ -59,7 +59,8 @@ py::tuple py_verify(FloatArray rows, const std::vector<int32_t>& drafts, py::obj
 py::dict py_round(uintptr_t target, uintptr_t draft, std::vector<llama_token> draft_feed, int draft_n_past,
                   llama_token last, int target_n_past, int k, float p_min, std::vector<llama_token> proposals,
                   std::vector<int32_t> history, const SamplerParams& p, const std::string& rule, Rng& rng,
-                  int plain_steps, double plain_budget_s, bool stable_shapes) {
+                  int plain_steps, double plain_budget_s, bool stable_shapes, bool in_flight, bool overlap,
+                  bool cap_ends_reply) {
     RoundInput in;
     in.target = as_ctx(target);
     in.draft = draft ? as_ctx(draft) : nullptr;
@@ -76,6 +77,10 @@ py::dict py_round(uintptr_t target, uintptr_t draft, std::vector<llama_token> dr
     in.plain_steps = std::max(1, plain_steps);
     in.plain_budget_s = plain_budget_s;
     in.stable_shapes = stable_shapes;
+    in.in_flight = in_flight;
+    in.overlap = overlap;
+    in.cap_ends_reply = cap_ends_reply;
+    if (in_flight && k > 0) throw std::invalid_argument("a round with drafts cannot start from a decode in flight");
     if (in.draft && k > 0 && in.draft_feed.empty()) throw std::invalid_argument("draft_feed must end with last");
     RoundResult r;
     {
@@ -89,6 +94,7 @@ py::dict py_round(uintptr_t target, uintptr_t draft, std::vector<llama_token> dr
     d["next"] = r.next;
     d["more"] = r.more;
     d["draft_evaluated"] = r.draft_evaluated;
+    d["in_flight"] = r.in_flight;
     d["draft_s"] = r.draft_s;
     d["verify_s"] = r.verify_s;
     return d;
@@ -216,7 +222,8 @@ PYBIND11_MODULE(_native_ext, m) {
     m.def("round", &py_round, py::arg("target"), py::arg("draft"), py::arg("draft_feed"), py::arg("draft_n_past"),
           py::arg("last"), py::arg("target_n_past"), py::arg("k"), py::arg("p_min"), py::arg("proposals"),
           py::arg("history"), py::arg("params"), py::arg("rule"), py::arg("rng"), py::arg("plain_steps") = 1,
-          py::arg("plain_budget_s") = 0.05, py::arg("stable_shapes") = false);
+          py::arg("plain_budget_s") = 0.05, py::arg("stable_shapes") = false, py::arg("in_flight") = false,
+          py::arg("overlap") = false, py::arg("cap_ends_reply") = false);
 
     py::class_<ImatrixCollector>(m, "ImatrixCollector")
         .def(py::init<>())

@@ -108,6 +108,12 @@ void plain_run(const RoundInput& in, Rng& rng, Batch& batch, RoundResult& res, C
         if (cur < 0) { res.error = "target produced no logits"; return; }
         res.more.push_back(cur);
     }
+    const bool capped = static_cast<int>(res.more.size()) + 1 >= in.plain_steps;
+    if (in.overlap && res.error.empty() && !llama_vocab_is_eog(vocab, cur) && !(capped && in.cap_ends_reply)) {
+        batch.set({cur}, pos, true);
+        if (llama_decode(in.target, batch.b) != 0) { res.error = "target llama_decode failed"; return; }
+        res.in_flight = true;  // a GPU computes it while the caller handles the tokens
+    }
 }
 
 }  // namespace
@@ -129,12 +135,14 @@ RoundResult run_round(const RoundInput& in, Rng& rng) {
     std::vector<llama_token> tokens{in.last};
     tokens.insert(tokens.end(), res.drafts.begin(), res.drafts.end());
     Batch batch(static_cast<int>(tokens.size()));
-    batch.set(tokens, in.target_n_past, true);
-    if (llama_decode(in.target, batch.b) != 0) { res.error = "target llama_decode failed"; return res; }
+    if (!in.in_flight) {
+        batch.set(tokens, in.target_n_past, true);
+        if (llama_decode(in.target, batch.b) != 0) { res.error = "target llama_decode failed"; return res; }
+    }
     if (res.drafts.empty()) {
         // a plain step: the same pick as verifying no drafts, and it takes a token that a greedy
         // sampler attached to the target picked in the graph (no logits are copied back then)
-        res.next = sample_context(in.target, 0, in.history, in.params, rng);
+        res.next = sample_context(in.target, -1, in.history, in.params, rng);
         if (res.next < 0) { res.error = "target produced no logits"; return res; }
     } else {
         const int n_vocab = n_vocab_of(in.target);

@@ -30,6 +30,14 @@ struct RoundInput {
     // runs uncaptured and is captured again on the second same-shape call, which a round of a
     // 2-token feed then single steps pays every time.
     bool stable_shapes = false;
+    // `last` is already decoded at target_n_past (a previous call left it in flight): the round
+    // only reads that decode's pick. Plain steps only (k = 0).
+    bool in_flight = false;
+    // A plain run that stops at its step cap or time budget decodes its newest token before
+    // returning, without waiting for it: on a GPU that step runs while Python handles the
+    // tokens, and the next call (in_flight) starts from its result.
+    bool overlap = false;
+    bool cap_ends_reply = false;  // reaching plain_steps ends the reply: nothing to overlap then
 };
 
 struct RoundResult {
@@ -38,6 +46,7 @@ struct RoundResult {
     llama_token next = -1;
     std::vector<llama_token> more;  // k = 0 with plain_steps > 1: the tokens after `next`, in order
     int draft_evaluated = 0;  // leading drafts now in the draft's KV (after draft_feed)
+    bool in_flight = false;   // the newest token (more.back(), else next) is decoded, its pick not read
     double draft_s = 0, verify_s = 0;
     std::string error;        // non-empty: llama.cpp failed; contexts are as before the verify
 };

@@ -135,3 +135,29 @@ def test_a_greedy_pick_inside_the_graph_matches_the_hosts(runner):
                                                     spec=SpecConfig(device_greedy=True)))
     assert not runner.ctx.picks_on_device
     assert runner.ctx.logits().shape == (runner.model.n_vocab,)
+
+
+@pytest.mark.parametrize("device_greedy", [False, True])
+def test_a_decode_left_in_flight_changes_nothing(runner, device_greedy):
+    """On a GPU a plain stretch ends by launching its newest token's decode, which runs while
+    Python hands out the tokens (forced here on the CPU): the same tokens, the KV holds exactly
+    the recorded tokens after the reply, and a reply stopped mid-way leaves a usable context."""
+    import llama_cpp
+
+    tokens = runner.chat_tokens(_user("Count from 1 to 40, separated by commas."))
+    replies = {}
+    for overlap in (False, True):
+        runner.ctx.trim(0)
+        spec = SpecConfig(overlap=overlap, device_greedy=device_greedy)
+        records = list(generate(runner.ctx, tokens, GREEDY, max_tokens=60, spec=spec))
+        replies[overlap] = [r.token for r in records if isinstance(r, Step)]
+        assert llama_cpp.llama_memory_seq_pos_max(runner.ctx.mem, 0) == runner.ctx.n_past - 1
+    assert replies[True] == replies[False] and len(replies[True]) == 60
+    cancel = threading.Event()
+    spec = SpecConfig(overlap=True, device_greedy=device_greedy)
+    for r in generate(runner.ctx, tokens, GREEDY, max_tokens=60, cancel=cancel, spec=spec):
+        if isinstance(r, Step) and r.token == replies[True][5]:
+            cancel.set()
+    assert llama_cpp.llama_memory_seq_pos_max(runner.ctx.mem, 0) == runner.ctx.n_past - 1
+    steps = [r for r in generate(runner.ctx, tokens, GREEDY, max_tokens=60, spec=spec) if isinstance(r, Step)]
+    assert [s.token for s in steps] == replies[True]

@@ -92,22 +92,27 @@ def generate(
     emit = _Emitter(ctx, max_tokens, cancel, start)
     last = _native.sample_context(ctx.address, -1, history, params, rng)
     yield emit.step(last, False)
-    while not emit.done:
-        if history:
-            history = (history + [last])[-sampling.repeat_last_n:]
-        args = speculator.round_args(last, remaining=max_tokens - emit.count)
-        result = _native.round(**args, history=history, params=params, rule=speculator.cfg.rule, rng=rng)
-        accepted = result["drafts"][: result["accepted"]]
-        for token in accepted:
-            yield emit.step(token, True)
-            if emit.done:
-                break
-        own = [result["next"], *result["more"]]  # the target's picks; more: a plain run's later tokens
-        for token in own:
-            if emit.done:
-                break
-            yield emit.step(token, False)
-        yield speculator.after(last, result)
-        if history:
-            history = (history + accepted + own[:-1])[-sampling.repeat_last_n:]
-        last = own[-1]
+    try:
+        while not emit.done:
+            if history:
+                history = (history + [last])[-sampling.repeat_last_n:]
+            args = speculator.round_args(last, remaining=max_tokens - emit.count)
+            result = _native.round(**args, history=history, params=params, rule=speculator.cfg.rule, rng=rng)
+            # the bookkeeping first: the round may have left its newest token's decode in flight
+            record = speculator.after(last, result)
+            accepted = result["drafts"][: result["accepted"]]
+            for token in accepted:
+                yield emit.step(token, True)
+                if emit.done:
+                    break
+            own = [result["next"], *result["more"]]  # the target's picks; more: a plain run's later tokens
+            for token in own:
+                if emit.done:
+                    break
+                yield emit.step(token, False)
+            yield record
+            if history:
+                history = (history + accepted + own[:-1])[-sampling.repeat_last_n:]
+            last = own[-1]
+    finally:
+        speculator.finish()

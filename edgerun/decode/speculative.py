@@ -33,6 +33,10 @@ class SpecConfig:
     # and copies back the id, not n_vocab logits (None: when the output layer is on a GPU, where
     # that copy and the host's read of it cost about 5% of a step; see Context.greedy_on_device)
     device_greedy: bool | None = None
+    # once no drafter will want the target's logits, a plain stretch ends by launching its newest
+    # token's decode, which runs while Python hands out the stretch's tokens (None: when the
+    # output layer is on a GPU; on a CPU a decode does not return before it is done)
+    overlap: bool | None = None
     # what the governor measured, kept across replies of a session (costs do not change per reply)
     governors: dict = field(default_factory=dict, compare=False)
 
@@ -59,6 +63,8 @@ class Speculator:
         self.cfg, self.target = cfg, target
         wanted = target.output_on_gpu if cfg.device_greedy is None else cfg.device_greedy
         self.device_greedy = greedy and wanted
+        self.overlap = target.output_on_gpu if cfg.overlap is None else cfg.overlap
+        self._in_flight = False  # the target's newest token is decoded, its pick not yet read
         self.ngram = NgramDrafter() if cfg.ngram else None
         if self.ngram:
             self.ngram.reset(prompt)
@@ -121,13 +127,34 @@ class Speculator:
             steps = min(steps, until_probe)
         return max(1, min(steps, remaining))
 
+    def _settled(self) -> bool:
+        """No drafter will propose again in this reply: none, or a model draft the governor gave up on."""
+        until_probe = self._until_probe()
+        return self.ngram is None and (self.cfg.draft is None or (until_probe is not None and until_probe <= 0))
+
     def settle_sampler(self, drafting: bool = False) -> None:
         """Let plain steps pick in llama.cpp's graph once this reply will not need the target's
-        logits again: no drafter, or a model draft the governor gave up on. A switch re-plans
-        llama.cpp's graph, so it never flips back and forth between rounds."""
-        until_probe = self._until_probe()
-        done_drafting = self.cfg.draft is None or (until_probe is not None and until_probe <= 0)
-        self.target.greedy_on_device(self.device_greedy and not drafting and self.ngram is None and done_drafting)
+        logits again. A switch re-plans llama.cpp's graph, so it never flips back and forth
+        between rounds."""
+        self.target.greedy_on_device(self.device_greedy and not drafting and self._settled())
+
+    def _plain(self, args: dict, remaining: int) -> dict:
+        steps = self._plain_steps(remaining)
+        overlap = self.overlap and steps > 1 and self._settled()
+        return args | dict(plain_steps=steps, in_flight=self._in_flight, overlap=overlap,
+                           cap_ends_reply=steps >= remaining)
+
+    def _land(self) -> None:
+        """Drop a decode left in flight (a drafting round decodes `last` itself)."""
+        if self._in_flight:
+            self.target.forget_unrecorded()
+            self._in_flight = False
+
+    def finish(self) -> None:
+        """The reply is over: the target's KV keeps only what was recorded (a decode left in
+        flight goes; the next turn evaluates that token again with its prompt)."""
+        self.target.forget_unrecorded()
+        self._in_flight = False
 
     def round_args(self, last: int, remaining: int = 1) -> dict:
         """Arguments for _native.round (minus history, params, rule, rng). `remaining`: tokens the
@@ -141,6 +168,7 @@ class Speculator:
             if proposals:
                 k, why = self._choose("ngram", len(proposals))
                 self._pending = ("ngram", k, why)
+                self._land()
                 return args | dict(k=k, proposals=proposals[:k])
         if self.cfg.draft is not None:
             keep = self.cfg.draft.shared_prefix(self.target.tokens)  # once per round: O(context)
@@ -148,16 +176,18 @@ class Speculator:
             self._pending = ("model", k, why)
             self.settle_sampler(drafting=k > 0)
             if k > 0:
+                self._land()
                 feed, n_past = self._prepare_draft(last, keep)
                 return args | dict(k=k, draft=self.cfg.draft.address, draft_feed=feed, draft_n_past=n_past,
                                    stable_shapes=self.stable_shapes)
-            return args | dict(plain_steps=self._plain_steps(remaining))
+            return self._plain(args, remaining)
         self._pending = ("none", 0, "no drafter")
-        return args | dict(plain_steps=self._plain_steps(remaining))
+        return self._plain(args, remaining)
 
     def after(self, last: int, result: dict) -> Round:
         """Record what the round left in each KV cache and teach the governor."""
         catch_up, self._catch_up_s = self._catch_up_s, 0.0
+        self._in_flight = result.get("in_flight", False)
         drafts, accepted, more = result["drafts"], result["accepted"], result["more"]
         drafter, k, why = self._pending
         if drafter == "model" and k > 0:

@@ -204,6 +204,12 @@ class Context:
                 raise EngineError(f"llama_decode failed with code {rc}")
             self.tokens.extend(chunk)
 
+    def forget_unrecorded(self) -> None:
+        """Drop KV entries past the recorded tokens (a decode the native round left in flight),
+        once llama.cpp is done with them."""
+        llama_cpp.llama_synchronize(self.ptr)
+        llama_cpp.llama_memory_seq_rm(self.mem, 0, len(self.tokens), -1)
+
     def shared_prefix(self, tokens: list[int]) -> int:
         """How many leading tokens of `tokens` the cache already holds."""
         return _common_prefix(self.tokens, tokens)
