@@ -1,5 +1,5 @@
-// edgerun._native_ext (imported as edgerun._native, after llama_cpp): the Python face of the speculative round, the sampling math, the importance-matrix
-// collector and ggml's quantizers.
+// edgerun._native_ext (imported as edgerun._native, after llama_cpp): the Python face of the
+// speculative round, the sampling math, the importance-matrix collector and ggml's quantizers.
 // Python owns every llama.cpp handle and passes raw addresses in; nothing here frees them.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
