@@ -138,20 +138,33 @@ def test_a_greedy_pick_inside_the_graph_matches_the_hosts(runner):
 
 
 @pytest.mark.parametrize("device_greedy", [False, True])
-def test_a_decode_left_in_flight_changes_nothing(runner, device_greedy):
+def test_a_decode_left_in_flight_changes_nothing(runner, device_greedy, monkeypatch):
     """On a GPU a plain stretch ends by launching its newest token's decode, which runs while
     Python hands out the tokens (forced here on the CPU): the same tokens, the KV holds exactly
     the recorded tokens after the reply, and a reply stopped mid-way leaves a usable context."""
     import llama_cpp
 
+    from edgerun.decode import generate as generate_module
+
+    in_flight = []  # what each native round reported: the real call, watched
+    real_round = generate_module._native.round
+
+    def watched(**args):
+        result = real_round(**args)
+        in_flight.append(result["in_flight"])
+        return result
+
+    monkeypatch.setattr(generate_module._native, "round", watched)
     tokens = runner.chat_tokens(_user("Count from 1 to 40, separated by commas."))
     replies = {}
     for overlap in (False, True):
         runner.ctx.trim(0)
+        in_flight.clear()
         spec = SpecConfig(overlap=overlap, device_greedy=device_greedy)
         records = list(generate(runner.ctx, tokens, GREEDY, max_tokens=60, spec=spec))
         replies[overlap] = [r.token for r in records if isinstance(r, Step)]
         assert llama_cpp.llama_memory_seq_pos_max(runner.ctx.mem, 0) == runner.ctx.n_past - 1
+        assert any(in_flight) == overlap, in_flight  # the overlap did happen (and only when asked)
     assert replies[True] == replies[False] and len(replies[True]) == 60
     cancel = threading.Event()
     spec = SpecConfig(overlap=True, device_greedy=device_greedy)

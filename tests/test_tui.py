@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -62,15 +63,22 @@ def _screen_text(app):
     return "\n".join(view.render_line(y).text for y in range(view.size.height))
 
 
+@contextlib.asynccontextmanager
+async def _loaded_app(size=(120, 40)):
+    """The app on the 0.5B model (no draft), driven by a Pilot, once its model is loaded."""
+    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
+    async with app.run_test(size=size) as pilot:
+        await wait_for(pilot, lambda: app.session is not None)
+        yield app, pilot
+
+
 def notes(app):
     return " ".join(str(n.message) for n in app._notifications)
 
 
 async def test_send_a_message_and_see_the_reply_stream_with_stats():
     _save_prefs(max_tokens=200)
-    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.session is not None)
+    async with _loaded_app() as (app, pilot):
         await send(pilot, app, "Count from 1 to 50, separated by commas.")
         seen_partial = False
         while app.generating:
@@ -94,9 +102,7 @@ async def test_draft_marks_and_copying_a_reply_and_its_code():
     styled in the transcript; Ctrl+R and Ctrl+B copy the reply and its last code block."""
     _save_prefs(max_tokens=120, ngram=True, spec_k=4)  # a fixed k: the governor cannot turn drafting off
     code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b"
-    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.session is not None)
+    async with _loaded_app() as (app, pilot):
         await send(pilot, app, f"Repeat this code exactly, in a python code block:\n\n```python\n{code}\n```")
         await wait_for(pilot, lambda: not app.generating)
         reply = replies(app)[-1]
@@ -126,9 +132,7 @@ async def test_keys_typed_just_before_enter_are_all_sent():
     from textual.keys import _character_to_key
 
     text = "Write a haiku about the sea."
-    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.session is not None)
+    async with _loaded_app() as (app, pilot):
         app.query_one("#input").focus()
         for ch in text:  # as the terminal driver posts them: no waiting in between
             app.post_message(events.Key(_character_to_key(ch), ch))
@@ -140,9 +144,7 @@ async def test_keys_typed_just_before_enter_are_all_sent():
 
 async def test_escape_stops_the_reply_and_keeps_it_marked():
     _save_prefs(max_tokens=400)
-    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.session is not None)
+    async with _loaded_app() as (app, pilot):
         await send(pilot, app, "Write a very long story about a lighthouse keeper.")
         await wait_for(pilot, lambda: app.stats is not None and app.stats.generated_tokens >= 5)
         await pilot.press("escape")
@@ -157,14 +159,10 @@ async def test_escape_stops_the_reply_and_keeps_it_marked():
 
 
 async def test_resume_a_saved_conversation_after_restart():
-    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.session is not None)
+    async with _loaded_app() as (app, pilot):
         await send(pilot, app, "My name is Ada. Reply with just OK.")
         await wait_for(pilot, lambda: not app.generating)
-    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.session is not None)
+    async with _loaded_app() as (app, pilot):
         await pilot.press("f4")
         await pilot.pause(0.2)
         await pilot.click("#resume")
@@ -177,9 +175,7 @@ async def test_resume_a_saved_conversation_after_restart():
 
 async def test_resuming_another_conversation_waits_for_the_reply_to_stop():
     _save_prefs(max_tokens=400)
-    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.session is not None)
+    async with _loaded_app() as (app, pilot):
         await send(pilot, app, "Say hi.")
         await wait_for(pilot, lambda: not app.generating)
         first = app.session.conversation_id
@@ -341,9 +337,7 @@ def test_snapshot_settings_screen(snap_compare):
 
 
 async def test_settings_are_validated_and_saved():
-    app = EdgerunApp(DRAFT, draft="none", engine=ENGINE)
-    async with app.run_test(size=(120, 36)) as pilot:
-        await wait_for(pilot, lambda: app.session is not None)
+    async with _loaded_app(size=(120, 36)) as (app, pilot):
         await pilot.press("f3")
         await pilot.pause(0.2)
         app.screen.query_one("#temperature").value = "hot"

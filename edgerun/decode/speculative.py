@@ -168,7 +168,6 @@ class Speculator:
             if proposals:
                 k, why = self._choose("ngram", len(proposals))
                 self._pending = ("ngram", k, why)
-                self._land()
                 return args | dict(k=k, proposals=proposals[:k])
         if self.cfg.draft is not None:
             keep = self.cfg.draft.shared_prefix(self.target.tokens)  # once per round: O(context)

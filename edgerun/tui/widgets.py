@@ -367,7 +367,7 @@ class StatsPanel(Vertical):
         super().__init__(**kwargs)
         self.rates: deque[float] = deque([0.0], maxlen=60)
         self._shown: dict[str, str] = {}
-        self._statics: dict[str, Widget] = {}  # found once: a query per update parses a selector
+        self._parts: dict[str, Widget] = {}  # found once: a query per update parses a selector
 
     def _set(self, widget_id: str, text: str) -> None:
         # Every screen update is CPU taken from llama.cpp: skip unchanged text, and re-lay out the
@@ -376,14 +376,14 @@ class StatsPanel(Vertical):
         old = self._shown.get(widget_id)
         if old != text:
             self._shown[widget_id] = text
-            if widget_id not in self._statics:
-                self._statics[widget_id] = self.query_one(f"#{widget_id}", Static)
-            self._statics[widget_id].update(text, layout=old is None or _shape(old) != _shape(text))
+            if widget_id not in self._parts:
+                self._parts[widget_id] = self.query_one(f"#{widget_id}", Static)
+            self._parts[widget_id].update(text, layout=old is None or _shape(old) != _shape(text))
 
     def _sparkline(self) -> Sparkline:
-        if "rate-spark" not in self._statics:
-            self._statics["rate-spark"] = self.query_one("#rate-spark", Sparkline)
-        return self._statics["rate-spark"]
+        if "rate-spark" not in self._parts:
+            self._parts["rate-spark"] = self.query_one("#rate-spark", Sparkline)
+        return self._parts["rate-spark"]
 
     def compose(self):
         yield Static("tokens/s", classes="title")
