@@ -5,6 +5,7 @@
   bench_gpu.py throughput DIR --llama-bench BIN   decode tok/s, fully on the GPU, ratio + HBM use
   bench_gpu.py offload DIR --llama-bench BIN      7B half on the GPU, 1.5B all on the CPU
   bench_gpu.py probe DIR --llama-bench BIN        where a decode step's time goes (native loop vs run)
+  bench_gpu.py gap DIR --llama-bench BIN          edgerun's decode path vs llama-bench, one variable at a time
   bench_gpu.py spec TARGET DRAFT           the real pair: plain vs speculative, GPU and CPU+GPU
   bench_gpu.py specprobe TARGET DRAFT      where a speculative round's time goes, both on the GPU
 
@@ -292,6 +293,67 @@ def cmd_probe(args) -> dict:
     return results
 
 
+def _llama_bench_depth(binary: str, model: Path, depth: int, reps: int = 5) -> float:
+    """llama-bench's tg128 after a prompt of `depth` tokens (its -d): the prompt's batch runs
+    before the timed generation, as in a reply."""
+    cmd = [binary, "-m", str(model), "-ngl", "99", "-p", "0", "-n", str(GEN), "-d", str(depth), "-r", str(reps),
+           "-o", "json"]
+    return float(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)[0]["avg_ts"])
+
+
+def cmd_gap(args) -> dict:
+    """What separates `edgerun run` from llama-bench fully on the GPU, one variable at a time, in
+    one process (the CLI's path without printing): the decode left in flight, the pick in the
+    graph, and a real prompt (llama.cpp re-captures its single-token CUDA graph after the
+    prompt's batch) vs a BOS-only one (llama-bench's tg test). Variants take turns; each runs
+    twice and the second counts (a sampler switch re-plans the graph)."""
+    from edgerun.decode.generate import generate
+    from edgerun.decode.speculative import Round, SpecConfig
+    from edgerun.decode.stats import ReplyStats
+    from edgerun.runner import Runner
+    from edgerun.settings import EngineSettings, SamplerSettings
+
+    greedy = SamplerSettings(temperature=0.0)
+    variants = {
+        "prompt": SpecConfig(),
+        "prompt no-overlap": SpecConfig(overlap=False),
+        "prompt no-overlap host-pick": SpecConfig(overlap=False, device_greedy=False),
+        "bos": SpecConfig(),
+        "bos no-overlap": SpecConfig(overlap=False),
+    }
+    results = {}
+    for name in args.which.split(","):
+        path = args.dir / f"shape-{name}-q4_k_m.gguf"
+        rates = {v: [] for v in variants}
+        host = {v: [] for v in variants}
+        with Runner(path, EngineSettings(n_ctx=4096, gpu_layers="99"), draft="none") as r:
+            prompt = r.raw_tokens(PROMPT)
+            bos = [r.model.bos]
+            for _ in range(args.reps):
+                for label, spec in variants.items():
+                    for _ in range(2):
+                        r.ctx.trim(0)
+                        stats, in_round = ReplyStats(), 0.0
+                        for record in generate(r.ctx, bos if label.startswith("bos") else prompt, greedy,
+                                               max_tokens=GEN, spec=spec):
+                            stats.add(record)
+                            if isinstance(record, Round):
+                                in_round += record.verify_s
+                    rates[label].append(stats.decode_tok_s)
+                    wall = stats.last_t - stats.ttft_s
+                    host[label].append(max(0.0, wall - in_round) / wall)
+        row = {"llama_bench_tg": llama_bench(args.llama_bench, path, ngl=99, reps=5),
+               f"llama_bench_d{len(prompt)}": _llama_bench_depth(args.llama_bench, path, len(prompt))}
+        row |= {label: statistics.median(v) for label, v in rates.items()}
+        results[name] = {"rates": row, "host_share": {k: statistics.median(v) for k, v in host.items()},
+                         "samples": rates}
+        ref = row["llama_bench_tg"]
+        print(f"{name}: " + "; ".join(f"{k} {v:.1f} ({v / ref:.3f})" for k, v in row.items()), flush=True)
+        print(f"{name} host share of decode wall: " + "; ".join(f"{k} {statistics.median(v):.1%}" for k, v in host.items()),
+              flush=True)
+    return results
+
+
 def cmd_specprobe(args) -> dict:
     """Where a speculative round's time goes with target and draft on the GPU (real pair, T=0, one
     process): fixed k, the draft fed in one batch or token by token (stable shapes), with and
@@ -352,13 +414,14 @@ def main() -> None:
     p = sub.add_parser("shapes")
     p.add_argument("dir", type=Path)
     p.add_argument("--which", default="0.5b,1.5b,7b")
-    for name in ("throughput", "offload", "probe"):
+    for name in ("throughput", "offload", "probe", "gap"):
         p = sub.add_parser(name)
         p.add_argument("dir", type=Path)
         p.add_argument("--llama-bench", required=True)
         p.add_argument("--which", default="0.5b,1.5b,7b")
         p.add_argument("--threads", type=int, default=16)
         p.add_argument("--pairs", type=int, default=5, help="throughput: interleaved llama-bench/edgerun pairs")
+        p.add_argument("--reps", type=int, default=7, help="gap: turns per variant")
     for name in ("spec", "specprobe"):
         p = sub.add_parser(name)
         p.add_argument("target", type=Path)
@@ -367,7 +430,7 @@ def main() -> None:
         p.add_argument("--reps", type=int, default=2)
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
-    out = {"shapes": cmd_shapes, "throughput": cmd_throughput, "offload": cmd_offload, "probe": cmd_probe,
+    out = {"shapes": cmd_shapes, "throughput": cmd_throughput, "offload": cmd_offload, "probe": cmd_probe, "gap": cmd_gap,
            "spec": cmd_spec, "specprobe": cmd_specprobe}[args.cmd](args)
     if args.json and out:
         args.json.write_text(json.dumps(out, indent=2))
