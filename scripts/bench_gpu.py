@@ -293,20 +293,23 @@ def cmd_probe(args) -> dict:
     return results
 
 
-def _llama_bench_depth(binary: str, model: Path, depth: int, reps: int = 5) -> float:
+def _llama_bench_depth(binary: str, model: Path, depth: int, *, ngl: int, threads: int | None, reps: int = 5) -> float:
     """llama-bench's tg128 after a prompt of `depth` tokens (its -d): the prompt's batch runs
-    before the timed generation, as in a reply."""
-    cmd = [binary, "-m", str(model), "-ngl", "99", "-p", "0", "-n", str(GEN), "-d", str(depth), "-r", str(reps),
-           "-o", "json"]
+    before the timed generation, as in a reply (its later reps restore the prompt's state
+    without running it)."""
+    cmd = [binary, "-m", str(model), "-ngl", str(ngl), "-p", "0", "-n", str(GEN), "-d", str(depth), "-r", str(reps),
+           "-o", "json"] + (["-t", str(threads)] if threads else [])
     return float(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)[0]["avg_ts"])
 
 
 def cmd_gap(args) -> dict:
-    """What separates `edgerun run` from llama-bench fully on the GPU, one variable at a time, in
-    one process (the CLI's path without printing): the decode left in flight, the pick in the
-    graph, and a real prompt (llama.cpp re-captures its single-token CUDA graph after the
-    prompt's batch) vs a BOS-only one (llama-bench's tg test). Variants take turns; each runs
-    twice and the second counts (a sampler switch re-plans the graph)."""
+    """What separates `edgerun run` from llama-bench, one variable at a time, in one process (the
+    CLI's path without printing): stretches of one native call each vs the whole reply in one
+    call, the decode left in flight, the pick in the graph, and a real prompt (on a GPU llama.cpp
+    re-captures its single-token CUDA graph after the prompt's batch) vs a BOS-only one
+    (llama-bench's tg test). Variants take turns; each runs twice and the second counts (a
+    sampler switch re-plans the graph). --ngl 0 --threads N: the same on the CPU."""
+    from edgerun.decode import speculative
     from edgerun.decode.generate import generate
     from edgerun.decode.speculative import Round, SpecConfig
     from edgerun.decode.stats import ReplyStats
@@ -314,45 +317,50 @@ def cmd_gap(args) -> dict:
     from edgerun.settings import EngineSettings, SamplerSettings
 
     greedy = SamplerSettings(temperature=0.0)
-    variants = {
-        "prompt": SpecConfig(),
-        "prompt no-overlap": SpecConfig(overlap=False),
-        "prompt no-overlap host-pick": SpecConfig(overlap=False, device_greedy=False),
-        "bos": SpecConfig(),
-        "bos no-overlap": SpecConfig(overlap=False),
+    variants = {  # label: (prompt kind, spec, whole reply in one native call)
+        "prompt": ("prompt", SpecConfig(), False),
+        "prompt one-call": ("prompt", SpecConfig(), True),
+        "prompt no-overlap": ("prompt", SpecConfig(overlap=False), False),
+        "prompt no-overlap host-pick": ("prompt", SpecConfig(overlap=False, device_greedy=False), False),
+        "bos": ("bos", SpecConfig(), False),
+        "bos one-call": ("bos", SpecConfig(), True),
     }
+    limits = (speculative.PLAIN_STEPS, speculative.PLAIN_BUDGET_S)
+    extra = {"n_threads": args.threads} if args.ngl == 0 else {}
     results = {}
     for name in args.which.split(","):
         path = args.dir / f"shape-{name}-q4_k_m.gguf"
         rates = {v: [] for v in variants}
         host = {v: [] for v in variants}
-        with Runner(path, EngineSettings(n_ctx=4096, gpu_layers="99"), draft="none") as r:
-            prompt = r.raw_tokens(PROMPT)
-            bos = [r.model.bos]
+        with Runner(path, EngineSettings(n_ctx=4096, gpu_layers=str(args.ngl), **extra), draft="none") as r:
+            tokens = {"prompt": r.raw_tokens(PROMPT), "bos": [r.model.bos]}
             for _ in range(args.reps):
-                for label, spec in variants.items():
+                for label, (kind, spec, one_call) in variants.items():
+                    # one call: the stretch limits lifted, so no Python runs between tokens
+                    speculative.PLAIN_STEPS, speculative.PLAIN_BUDGET_S = (GEN, 60.0) if one_call else limits
                     for _ in range(2):
                         r.ctx.trim(0)
                         stats, in_round = ReplyStats(), 0.0
-                        for record in generate(r.ctx, bos if label.startswith("bos") else prompt, greedy,
-                                               max_tokens=GEN, spec=spec):
+                        for record in generate(r.ctx, tokens[kind], greedy, max_tokens=GEN, spec=spec):
                             stats.add(record)
                             if isinstance(record, Round):
                                 in_round += record.verify_s
                     rates[label].append(stats.decode_tok_s)
                     wall = stats.last_t - stats.ttft_s
                     host[label].append(max(0.0, wall - in_round) / wall)
-        row = {"llama_bench_tg": llama_bench(args.llama_bench, path, ngl=99, reps=5),
-               f"llama_bench_d{len(prompt)}": _llama_bench_depth(args.llama_bench, path, len(prompt))}
+            speculative.PLAIN_STEPS, speculative.PLAIN_BUDGET_S = limits
+        depth = len(tokens["prompt"])
+        bench = dict(ngl=args.ngl, threads=args.threads if args.ngl == 0 else None)
+        row = {"llama_bench_tg": llama_bench(args.llama_bench, path, reps=5, **bench),
+               f"llama_bench_d{depth}": _llama_bench_depth(args.llama_bench, path, depth, **bench)}
         row |= {label: statistics.median(v) for label, v in rates.items()}
         results[name] = {"rates": row, "host_share": {k: statistics.median(v) for k, v in host.items()},
                          "samples": rates}
         ref = row["llama_bench_tg"]
-        print(f"{name}: " + "; ".join(f"{k} {v:.1f} ({v / ref:.3f})" for k, v in row.items()), flush=True)
+        print(f"{name} (ngl {args.ngl}): " + "; ".join(f"{k} {v:.1f} ({v / ref:.3f})" for k, v in row.items()), flush=True)
         print(f"{name} host share of decode wall: " + "; ".join(f"{k} {statistics.median(v):.1%}" for k, v in host.items()),
               flush=True)
     return results
-
 
 def cmd_specprobe(args) -> dict:
     """Where a speculative round's time goes with target and draft on the GPU (real pair, T=0, one
@@ -422,6 +430,7 @@ def main() -> None:
         p.add_argument("--threads", type=int, default=16)
         p.add_argument("--pairs", type=int, default=5, help="throughput: interleaved llama-bench/edgerun pairs")
         p.add_argument("--reps", type=int, default=7, help="gap: turns per variant")
+        p.add_argument("--ngl", type=int, default=99, help="gap: target layers on the GPU (0: all on the CPU)")
     for name in ("spec", "specprobe"):
         p = sub.add_parser(name)
         p.add_argument("target", type=Path)
