@@ -293,13 +293,15 @@ def cmd_probe(args) -> dict:
     return results
 
 
-def _llama_bench_depth(binary: str, model: Path, depth: int, *, ngl: int, threads: int | None, reps: int = 5) -> float:
-    """llama-bench's tg128 after a prompt of `depth` tokens (its -d): the prompt's batch runs
-    before the timed generation, as in a reply (its later reps restore the prompt's state
-    without running it)."""
-    cmd = [binary, "-m", str(model), "-ngl", str(ngl), "-p", "0", "-n", str(GEN), "-d", str(depth), "-r", str(reps),
+def _llama_bench_depth(binary: str, model: Path, depth: int, *, ngl: int, threads: int | None, runs: int = 3) -> float:
+    """llama-bench's tg128 right after a prompt of `depth` tokens (its -d), as in a reply: one
+    rep per process (its later reps would restore the prompt's state without running it), the
+    median of `runs` processes."""
+    cmd = [binary, "-m", str(model), "-ngl", str(ngl), "-p", "0", "-n", str(GEN), "-d", str(depth), "-r", "1",
            "-o", "json"] + (["-t", str(threads)] if threads else [])
-    return float(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)[0]["avg_ts"])
+    return statistics.median(
+        float(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)[0]["avg_ts"])
+        for _ in range(runs))
 
 
 def cmd_gap(args) -> dict:
