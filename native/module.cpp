@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
 
@@ -21,6 +22,25 @@ using namespace edgerun;
 namespace {
 
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+// llama.cpp's log reaches Python (edgerun/runtime/llama_log.py) through this filter. ggml logs a
+// debug line on every CUDA graph replay, i.e. every decode step on a GPU; through a Python
+// callback each is a GIL round trip inside llama_decode, and in the chat app the step waits
+// for the UI thread to hand the GIL over. Debug lines go on only when asked for.
+struct LogRoute {
+    std::atomic<ggml_log_callback> next{nullptr};
+    std::atomic<bool> debug{false};
+    std::atomic<int> last{GGML_LOG_LEVEL_INFO};  // what a continuation (GGML_LOG_LEVEL_CONT) continues
+};
+LogRoute log_route;
+
+void filtered_log(ggml_log_level level, const char* text, void* user) {
+    int effective = level;
+    if (level == GGML_LOG_LEVEL_CONT) effective = log_route.last.load();
+    else log_route.last.store(level);
+    const ggml_log_callback next = log_route.next.load();
+    if (next && (effective != GGML_LOG_LEVEL_DEBUG || log_route.debug.load())) next(level, text, user);
+}
 
 llama_context* as_ctx(uintptr_t address) { return reinterpret_cast<llama_context*>(address); }
 
@@ -201,6 +221,12 @@ PYBIND11_MODULE(_native_ext, m) {
         .def("next", &Rng::next)
         .def("uniform", &Rng::uniform);
 
+    m.def("route_log", [](uintptr_t callback, bool debug) {
+        log_route.next.store(reinterpret_cast<ggml_log_callback>(callback));
+        log_route.debug.store(debug);
+        llama_log_set(&filtered_log, nullptr);
+    }, py::arg("callback"), py::arg("debug"),
+          "Send llama.cpp's log to a C callback (a ctypes function's address), debug lines only if `debug`.");
     m.def("argmax", [](FloatArray x) { return argmax(x.data(), static_cast<int>(x.size())); }, py::arg("logits"));
     m.def("top_share_reaches", [](FloatArray logits, int32_t x, double p_min) {
         if (x < 0 || x >= logits.size()) throw std::invalid_argument("token id out of range");

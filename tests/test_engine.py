@@ -28,3 +28,48 @@ def test_the_native_extension_shares_llama_cpps_library():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     libs = ast.literal_eval(out)
     assert len(libs) == 1, libs
+
+
+def test_llama_cpps_debug_lines_reach_python_only_when_asked_for(small_model, monkeypatch):
+    """On a GPU ggml logs a debug line per decode step; each would be a GIL round trip inside the
+    step. The native filter keeps debug lines out of Python unless the logger wants them, and
+    passes the rest."""
+    import logging
+
+    from edgerun.runtime import llama_log
+    from edgerun.runtime.engine import Context, Model
+    from edgerun.settings import EngineSettings
+
+    arrived: list[tuple[int, str]] = []  # (llama.cpp's level, text) of each call into Python
+
+    class Recording(llama_log._LineBuffer):
+        def feed(self, level: int, text: str) -> None:
+            arrived.append((level, text))
+            super().feed(level, text)
+
+    monkeypatch.setattr(llama_log, "_buffer", Recording())
+    log = logging.getLogger("edgerun.llama")
+
+    def load_and_toggle_sampler() -> list[tuple[int, str]]:
+        """A model load logs info lines; llama_set_sampler a debug line each time."""
+        arrived.clear()
+        with Model(small_model) as model, Context(model, EngineSettings(n_ctx=256)) as ctx:
+            ctx.greedy_on_device(True)
+            ctx.greedy_on_device(False)
+        return list(arrived)
+
+    level = log.level
+    try:
+        log.setLevel(logging.INFO)
+        llama_log.install()
+        quiet = load_and_toggle_sampler()
+        assert any(lvl == 2 for lvl, _ in quiet)  # ggml's INFO
+        assert not [text for lvl, text in quiet if lvl == 1]  # no DEBUG call reached Python
+
+        log.setLevel(logging.DEBUG)
+        llama_log.install()
+        loud = load_and_toggle_sampler()
+        assert any(lvl == 1 and "set_sampler: seq_id" in text for lvl, text in loud)
+    finally:
+        log.setLevel(level)
+        llama_log.install()

@@ -39,8 +39,12 @@ def _callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
 
 
 def install() -> None:
-    """Point llama.cpp's log at `logging`. Safe to call more than once."""
-    llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
+    """Point llama.cpp's log at `logging`, its debug lines only while this logger wants them: on a
+    GPU ggml logs one per decode step, and each call into Python takes the GIL inside the step
+    (the filter runs in C, in the native extension). Call again after changing the level."""
+    from edgerun import _native  # it loads llama_cpp first: one libllama in the process
+
+    _native.route_log(ctypes.cast(_callback, ctypes.c_void_p).value, log.isEnabledFor(logging.DEBUG))
 
 
 install()
