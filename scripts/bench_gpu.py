@@ -307,25 +307,31 @@ def _llama_bench_depth(binary: str, model: Path, depth: int, *, ngl: int, thread
 def cmd_gap(args) -> dict:
     """What separates `edgerun run` from llama-bench, one variable at a time, in one process (the
     CLI's path without printing): stretches of one native call each vs the whole reply in one
-    call, the decode left in flight, the pick in the graph, and a real prompt (on a GPU llama.cpp
+    call, the decode left in flight, the pick in the graph, llama.cpp's debug log lines calling
+    into Python (before the native filter), and a real prompt (on a GPU llama.cpp
     re-captures its single-token CUDA graph after the prompt's batch) vs a BOS-only one
     (llama-bench's tg test). Variants take turns; each runs twice and the second counts (a
     sampler switch re-plans the graph). --ngl 0 --threads N: the same on the CPU."""
+    import ctypes
+
+    from edgerun import _native
     from edgerun.decode import speculative
     from edgerun.decode.generate import generate
     from edgerun.decode.speculative import Round, SpecConfig
     from edgerun.decode.stats import ReplyStats
     from edgerun.runner import Runner
+    from edgerun.runtime import llama_log
     from edgerun.settings import EngineSettings, SamplerSettings
 
     greedy = SamplerSettings(temperature=0.0)
-    variants = {  # label: (prompt kind, spec, whole reply in one native call)
-        "prompt": ("prompt", SpecConfig(), False),
-        "prompt one-call": ("prompt", SpecConfig(), True),
-        "prompt no-overlap": ("prompt", SpecConfig(overlap=False), False),
-        "prompt no-overlap host-pick": ("prompt", SpecConfig(overlap=False, device_greedy=False), False),
-        "bos": ("bos", SpecConfig(), False),
-        "bos one-call": ("bos", SpecConfig(), True),
+    variants = {  # label: (prompt kind, spec, whole reply in one native call, debug log lines into Python)
+        "prompt": ("prompt", SpecConfig(), False, False),
+        "prompt one-call": ("prompt", SpecConfig(), True, False),
+        "prompt no-overlap": ("prompt", SpecConfig(overlap=False), False, False),
+        "prompt no-overlap host-pick": ("prompt", SpecConfig(overlap=False, device_greedy=False), False, False),
+        "prompt debug-log": ("prompt", SpecConfig(), False, True),
+        "bos": ("bos", SpecConfig(), False, False),
+        "bos one-call": ("bos", SpecConfig(), True, False),
     }
     limits = (speculative.PLAIN_STEPS, speculative.PLAIN_BUDGET_S)
     extra = {"n_threads": args.threads} if args.ngl == 0 else {}
@@ -337,9 +343,11 @@ def cmd_gap(args) -> dict:
         with Runner(path, EngineSettings(n_ctx=4096, gpu_layers=str(args.ngl), **extra), draft="none") as r:
             tokens = {"prompt": r.raw_tokens(PROMPT), "bos": [r.model.bos]}
             for _ in range(args.reps):
-                for label, (kind, spec, one_call) in variants.items():
+                for label, (kind, spec, one_call, debug_log) in variants.items():
                     # one call: the stretch limits lifted, so no Python runs between tokens
                     speculative.PLAIN_STEPS, speculative.PLAIN_BUDGET_S = (GEN, 60.0) if one_call else limits
+                    # debug log: every debug line calls into Python, as before the native filter
+                    _native.route_log(ctypes.cast(llama_log._callback, ctypes.c_void_p).value, debug_log)
                     for _ in range(2):
                         r.ctx.trim(0)
                         stats, in_round = ReplyStats(), 0.0
@@ -351,6 +359,7 @@ def cmd_gap(args) -> dict:
                     wall = stats.last_t - stats.ttft_s
                     host[label].append(max(0.0, wall - in_round) / wall)
             speculative.PLAIN_STEPS, speculative.PLAIN_BUDGET_S = limits
+            llama_log.install()
         depth = len(tokens["prompt"])
         bench = dict(ngl=args.ngl, threads=args.threads if args.ngl == 0 else None)
         row = {"llama_bench_tg": llama_bench(args.llama_bench, path, reps=5, **bench),
