@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import signal
 import subprocess
@@ -11,11 +12,15 @@ import textwrap
 import time
 
 import pytest
+from textual._compositor import Compositor
+from textual.geometry import Region
 
 from edgerun import user_settings
 from edgerun.history import History
 from edgerun.settings import EngineSettings
 from edgerun.tui.app import EdgerunApp
+from edgerun.tui.compositor import BandCompositor
+from edgerun.tui.stats import StatsPanel
 from edgerun.tui.widgets import Transcript
 
 pytestmark = pytest.mark.slow
@@ -72,6 +77,11 @@ async def _loaded_app(size=(120, 40)):
         yield app, pilot
 
 
+def panel_text(panel):
+    """The stats panel as drawn on the screen."""
+    return "\n".join(panel.render_line(y).text for y in range(panel.size.height))
+
+
 def notes(app):
     return " ".join(str(n.message) for n in app._notifications)
 
@@ -80,21 +90,54 @@ async def test_send_a_message_and_see_the_reply_stream_with_stats():
     _save_prefs(max_tokens=200)
     async with _loaded_app() as (app, pilot):
         await send(pilot, app, "Count from 1 to 50, separated by commas.")
+        panel = app.query_one(StatsPanel)
         seen_partial = False
+        panel_views = set()
         while app.generating:
             if replies(app) and replies(app)[-1].text and app.generating:
                 seen_partial = True  # text showed before the reply was finished
+                panel_views.add(panel_text(panel))
             await pilot.pause(0.02)
         reply = replies(app)[-1]
         assert reply.text.strip() and reply.status == "done", (reply.text, reply.status, notes(app))
         assert seen_partial
+        assert len(panel_views) >= 3, panel_views  # the panel's numbers moved while the reply streamed
         assert app.stats.decode_tok_s > 0
-        speed = str(app.query_one("#speed").render())
-        assert "tok/s" in speed and " 0.0 tok/s" not in speed
+        speed = panel_text(panel)
+        assert "tok/s" in speed and " 0.0 tok/s" not in speed and f"tokens  {app.stats.generated_tokens:6d}" in speed
         conv = app.session.conversation_id
     with History() as h:
         roles = [(m.role, m.status) for m in h.messages(conv)]
     assert roles == [("user", "done"), ("assistant", "done")]
+
+
+async def test_a_partial_update_draws_what_textuals_compositor_draws():
+    """The chat screen's compositor asks fewer widgets for fewer lines; the lines and columns an
+    update covers come out as Textual's own compositor draws them."""
+    async with _loaded_app() as (app, pilot):
+        await send(pilot, app, "Write a Python function that adds two numbers.")
+        await wait_for(pilot, lambda: not app.generating)
+        await pilot.pause(0.3)
+        band = app.screen._compositor
+        assert isinstance(band, BandCompositor)
+        textuals = copy.copy(band)
+        textuals.__class__ = Compositor
+        transcript, stats = app.query_one(Transcript).region, app.query_one(StatsPanel).region
+        updates = [Region(transcript.x, transcript.y + 2, transcript.width, 3),
+                   Region(stats.x, stats.y + 6, stats.width, 5)]
+        crop = Region.from_union(updates)
+        rows = {y for r in updates for y in r.line_range}.__contains__
+        ours, theirs = band._render_chops(crop, rows), textuals._render_chops(crop, rows)
+        compared = 0
+        for y in crop.line_range:
+            if not rows(y):
+                continue
+            ends = band.cuts[y][1:]
+            for (x, strip), end in zip(theirs[y].items(), ends):
+                if strip is not None and x < crop.right and end > crop.x:
+                    assert ours[y][x] == strip, (y, x)
+                    compared += 1
+        assert compared >= 8 * 2  # each updated line: the transcript's cut and the panel's
 
 
 async def test_draft_marks_and_copying_a_reply_and_its_code():

@@ -29,7 +29,9 @@ from edgerun import paths
 from edgerun.runtime import devices, llama_log
 from edgerun.settings import EngineSettings
 from edgerun.tui import hints
-from edgerun.tui.widgets import ChatInput, Entry, StatsPanel, Transcript
+from edgerun.tui.compositor import ChatScreen
+from edgerun.tui.stats import StatsPanel
+from edgerun.tui.widgets import ChatInput, Entry, Transcript
 from edgerun import user_settings
 
 W = TypeVar("W")
@@ -112,6 +114,9 @@ class EdgerunApp(App):
         self._widgets: dict = {}  # main-screen widgets found so far (a query walks the DOM)
 
     # ----- layout -------------------------------------------------------------------------------
+
+    def get_default_screen(self) -> ChatScreen:
+        return ChatScreen(id="_default")
 
     def compose(self) -> ComposeResult:
         yield Header()

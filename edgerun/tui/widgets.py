@@ -1,4 +1,5 @@
-"""Widgets of the chat screen: the input box, the transcript and its entries, and the stats panel."""
+"""Widgets of the chat screen: the input box, and the transcript and its entries (the stats panel
+is in stats.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import bisect
 import functools
 import itertools
 import re
-from collections import deque
 
 from markdown_it import MarkdownIt
 from rich.markdown import Markdown as RichMarkdown
@@ -16,16 +16,11 @@ from rich.text import Text
 from textual import events
 from textual.binding import Binding
 from textual.cache import LRUCache
-from textual.containers import Vertical
 from textual.message import Message
 from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
-from textual.widget import Widget
-from textual.widgets import Sparkline, Static, TextArea
-
-from edgerun.decode.stats import ReplyStats
-from edgerun.runtime import placement
+from textual.widgets import TextArea
 
 # a fenced code block at the start of a line; an unclosed one (still streaming) runs to the end
 FENCE = re.compile(r"^[ \t]*(?P<mark>```+|~~~+)[ \t]*(?P<lang>[^\s`]*)[^\n]*\n(?P<code>.*?)(?:^[ \t]*(?P=mark)[ \t]*$|\Z)",
@@ -167,9 +162,12 @@ class Transcript(ScrollView, can_focus=True):
         self._starts: list[int] = []  # first line of each entry
         self._width = 0
         self._room = False  # keep room below a streaming reply (see changed)
-        self._highlight_cache: LRUCache[tuple[str, str, str], list[Text]] = LRUCache(256)  # streaming code pieces
+        self._piece_cache: LRUCache[tuple[str, str, int, str], list[Strip]] = LRUCache(256)  # streaming code pieces
         self._code_cache: LRUCache[tuple, list[Strip]] = LRUCache(4000)  # a code line's lines, by highlighting
         self._line_cache: LRUCache[tuple[int, int, int], tuple[Strip, Strip]] = LRUCache(1000)
+        # (role style, label) -> the label's line: resolving a component style walks the CSS, and
+        # every refresh empties Textual's cache of them, so a streaming reply paid it each update
+        self._labels: dict[tuple[str, str], Strip] = {}
 
     # ----- content ------------------------------------------------------------------------------
 
@@ -206,6 +204,10 @@ class Transcript(ScrollView, can_focus=True):
                 dirty = (self._starts[i] + first, max(len(old), len(new)) - first)
         self._room = self._room or entry.status == "streaming"
         self._update_size(follow=at_end, dirty=dirty)
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._labels.clear()
 
     def render_all(self) -> None:
         for entry in self.entries:
@@ -256,7 +258,11 @@ class Transcript(ScrollView, can_focus=True):
 
     def _render_entry(self, entry: Entry) -> list[Strip]:
         role = "transcript--user-role" if entry.role == "user" else "transcript--role"
-        lines = [Strip([Segment(entry.label, self.get_component_rich_style(role, partial=True))])]
+        label = self._labels.get((role, entry.label))
+        if label is None:
+            label = Strip([Segment(entry.label, self.get_component_rich_style(role, partial=True))])
+            self._labels[role, entry.label] = label
+        lines = [label]
         if entry.marks:
             text = Text()
             draft = self.get_component_rich_style("transcript--draft", partial=True)
@@ -303,28 +309,33 @@ class Transcript(ScrollView, can_focus=True):
         panel_edge = Strip([Segment(" " * (width + 2), bg)])
         code = code.rstrip("\n").expandtabs(4)
         pieces = TOP_LEVEL_SPLIT.split(code) if streaming else [code]
-        highlighted: list[Text] = []
-        for n, piece in enumerate(pieces):
-            if n:
-                highlighted.append(Text(""))  # the blank line the split took
-            key = (lang, theme, piece)
-            piece_lines = self._highlight_cache.get(key)
-            if piece_lines is None:
-                body = piece.rstrip("\n")  # more blank lines before the split: drawn as such
-                piece_lines = list(Syntax(body, lang, theme=theme).highlight(body).split("\n"))
-                piece_lines += [Text("") for _ in range(len(piece) - len(body))]
-                if n < len(pieces) - 1:
-                    self._highlight_cache[key] = piece_lines  # the last piece still grows
-            highlighted += piece_lines
-        lines = [panel_edge]
-        for line in highlighted:
+
+        def drawn(line: Text) -> list[Strip]:
             key = (theme, width, line.plain, tuple(line.spans), str(line.style))
             strips = self._code_cache.get(key)
             if strips is None:
                 rendered = self.app.console.render_lines(line, options, style=bg, pad=True)
                 strips = [Strip([edge, *segments, edge]) for segments in rendered]
                 self._code_cache[key] = strips
-            lines += strips
+            return strips
+
+        lines = [panel_edge]
+        for n, piece in enumerate(pieces):
+            if n:
+                lines += drawn(Text(""))  # the blank line the split took
+            # a piece before the last can no longer change: its lines are kept whole, so an
+            # update looks at the last piece's lines only
+            final = n < len(pieces) - 1
+            key = (lang, theme, width, piece)
+            piece_strips = self._piece_cache.get(key) if final else None
+            if piece_strips is None:
+                body = piece.rstrip("\n")  # more blank lines before the split: drawn as such
+                piece_lines = list(Syntax(body, lang, theme=theme).highlight(body).split("\n"))
+                piece_lines += [Text("") for _ in range(len(piece) - len(body))]
+                piece_strips = [strip for line in piece_lines for strip in drawn(line)]
+                if final:
+                    self._piece_cache[key] = piece_strips
+            lines += piece_strips
         return lines + [panel_edge]
 
     def _strips(self, renderable) -> list[Strip]:
@@ -350,79 +361,3 @@ class Transcript(ScrollView, can_focus=True):
             self._line_cache[key] = cached
         return cached[1]
 
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.0f} MiB"
-
-
-def _shape(text: str) -> tuple[int, int]:
-    lines = text.splitlines()
-    return len(lines), max(map(len, lines), default=0)
-
-
-class StatsPanel(Vertical):
-    """Live numbers of the reply being generated (or the last one), refreshed by the app."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.rates: deque[float] = deque([0.0], maxlen=60)
-        self._shown: dict[str, str] = {}
-        self._parts: dict[str, Widget] = {}  # found once: a query per update parses a selector
-
-    def _set(self, widget_id: str, text: str) -> None:
-        # Every screen update is CPU taken from llama.cpp: skip unchanged text, and re-lay out the
-        # screen only when the text's shape (line count, longest line) changed. The numbers are
-        # fixed-width, so while a reply streams their updates only repaint.
-        old = self._shown.get(widget_id)
-        if old != text:
-            self._shown[widget_id] = text
-            if widget_id not in self._parts:
-                self._parts[widget_id] = self.query_one(f"#{widget_id}", Static)
-            self._parts[widget_id].update(text, layout=old is None or _shape(old) != _shape(text))
-
-    def _sparkline(self) -> Sparkline:
-        if "rate-spark" not in self._parts:
-            self._parts["rate-spark"] = self.query_one("#rate-spark", Sparkline)
-        return self._parts["rate-spark"]
-
-    def compose(self):
-        yield Static("tokens/s", classes="title")
-        yield Sparkline(list(self.rates), id="rate-spark")
-        yield Static("", id="speed", markup=False)
-        yield Static("", id="context", markup=False)
-        yield Static("", id="memory", markup=False)
-        yield Static("", id="spec", markup=False)
-        yield Static("", id="placement", markup=False)
-
-    def show_plan(self, plan: placement.Plan) -> None:
-        """Where the models live: layers and bytes per device (set once per model load)."""
-        text = f"target  {plan.target.describe()}"
-        if plan.draft:
-            text += f"\ndraft   {plan.draft.describe()}"
-        self._set("placement", text)
-
-    def show(self, stats: ReplyStats | None, *, n_ctx_used: int, n_ctx: int, rss: int, free_ram: int,
-             vram: str | None, live: bool, sample: bool = True) -> None:
-        """`sample`: add the current speed to the sparkline (a point a second: Textual's sparkline
-        costs about 1 ms to draw on a 2-core machine, the numbers beside it a fraction of that)."""
-        s = stats or ReplyStats()
-        if live and sample and s.generated_tokens > 1:
-            self.rates.append(s.decode_tok_s)
-            self._sparkline().data = list(self.rates)
-        self._set(
-            "speed", f"decode  {s.decode_tok_s:6.1f} tok/s\nTTFT    {s.ttft_s * 1000:6.0f} ms\n"
-            f"TPOT    {s.tpot_s * 1000:6.1f} ms\nprompt  {s.prompt_tok_s:6.0f} tok/s\ntokens  {s.generated_tokens:6d}"
-        )
-        pct = n_ctx_used / n_ctx if n_ctx else 0.0
-        self._set("context", f"context {n_ctx_used}/{n_ctx} ({pct:.0%})")
-        mem = f"RSS     {_mib(rss)}\nfree    {_mib(free_ram)}"
-        self._set("memory", mem + (f"\nVRAM    {vram}" if vram else ""))
-        if s.drafted:
-            hist = " ".join(f"{k}:{v}" for k, v in sorted(s.accepted_hist.items()))
-            spec = (f"accepted {s.acceptance_rate:.0%} ({s.accepted}/{s.drafted})\nmean run {s.mean_accepted_len:.2f}"
-                    f"  k={s.spec_k}\nruns    {hist}\ndraft {s.draft_s:.2f}s verify {s.verify_s:.2f}s")
-        else:
-            spec = "speculation: off" if not s.governor or s.governor == "no drafter" else ""
-        if s.governor and s.governor != "no drafter":
-            spec += f"\ngovernor: {s.governor}"
-        self._set("spec", spec.strip())
