@@ -87,6 +87,11 @@ def test_context_larger_than_the_model_supports(small_model):
     assert "32768" in line
 
 
+def test_an_empty_raw_prompt(small_model):
+    """Qwen adds no BOS: an empty raw prompt has no tokens (it crashed in the first pick)."""
+    _one_line_error(edgerun("run", "", "--raw", "-m", str(small_model), "-n", "4"), "prompt has no tokens")
+
+
 def test_bad_gpu_layers_value(small_model):
     _one_line_error(edgerun("run", "hi", "-m", str(small_model), "--gpu-layers", "lots"), "--gpu-layers")
 

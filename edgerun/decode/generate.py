@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from edgerun import _native
 from edgerun.decode.speculative import Round, SpecConfig, Speculator
+from edgerun.errors import ConfigError
 from edgerun.runtime.engine import Context
 from edgerun.settings import SamplerSettings
 
@@ -80,6 +81,8 @@ def generate(
     spec: SpecConfig | None = None,
 ) -> Iterator[Prefill | Step | Round]:
     """Evaluate the prompt, then decode up to max_tokens tokens, yielding each as it is ready."""
+    if not prompt:  # e.g. `--raw ""` with a model that adds no BOS: no logits to pick from
+        raise ConfigError("the prompt has no tokens, so there is nothing to continue; give some text")
     start = time.perf_counter()
     penalized = sampling.repeat_penalty != 1.0 and sampling.repeat_last_n != 0
     speculator = Speculator(spec or SpecConfig(), ctx, prompt, greedy=sampling.temperature <= 0 and not penalized)
