@@ -13,6 +13,17 @@ from edgerun.bench import BenchSettings
 from edgerun.errors import EdgerunError
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type of a count: a whole number of 1 or more (argparse prints the one-line error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+    return value
+
+
 def _add_model_args(p: argparse.ArgumentParser, *, positional: bool = False) -> None:
     if positional:
         p.add_argument("model", nargs="?", default=None, help="catalog name, hf:// URI or .gguf path")
@@ -20,7 +31,7 @@ def _add_model_args(p: argparse.ArgumentParser, *, positional: bool = False) -> 
         p.add_argument("-m", "--model", default=None, help="catalog name, hf:// URI or .gguf path")
     e = defaults.EngineSettings()
     p.add_argument("--ctx", type=int, default=e.n_ctx, help=f"context size in tokens (default {e.n_ctx})")
-    p.add_argument("--n-batch", type=int, default=e.n_batch, help="prompt tokens per llama_decode call")
+    p.add_argument("--n-batch", type=_at_least_one, default=e.n_batch, help="prompt tokens per llama_decode call")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--gpu-layers", default=e.gpu_layers, help="auto, 0, or a layer count")
     p.add_argument("--max-vram", type=float, default=None, metavar="GIB",
@@ -39,7 +50,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=s.min_p)
     p.add_argument("--repeat-penalty", type=float, default=s.repeat_penalty)
     p.add_argument("--seed", type=int, default=None, help="RNG seed (default: random)")
-    p.add_argument("-n", "--max-tokens", type=int, default=defaults.MAX_TOKENS)
+    p.add_argument("-n", "--max-tokens", type=_at_least_one, default=defaults.MAX_TOKENS)
     p.add_argument("--system", default=defaults.DEFAULT_SYSTEM_PROMPT, help="system prompt")
 
 
@@ -64,7 +75,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-k", default="auto", help="draft tokens per round, both sides: auto or a number")
     p.add_argument("--prompts", default=b.prompts, help=f"code, chat, all, or a FILE: one prompt per paragraph,"
                    f" or a .toml like the shipped one (default {b.prompts})")
-    p.add_argument("-n", "--max-tokens", type=int, default=b.max_tokens,
+    p.add_argument("-n", "--max-tokens", type=_at_least_one, default=b.max_tokens,
                    help=f"tokens per reply (default {b.max_tokens})")
     p.add_argument("--temp", type=float, default=b.temperature,
                    help=f"temperature (default {b.temperature}: greedy, so outputs compare token for token)")

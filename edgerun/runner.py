@@ -23,6 +23,7 @@ from edgerun.settings import EngineSettings, SamplerSettings
 COST_REPS = 3  # timings per shape at load; the fastest counts ...
 COST_BUDGET_S = 1.0  # ... but no new round of them once this long has gone (a slow CPU: one round)
 CATCH_UP_PROBE = 32  # tokens of draft prefill timed at load: what a catch-up costs per token
+MIN_CTX = 64  # a chat template alone takes about 30 tokens
 
 
 def footprint(info: GGUFInfo, settings: EngineSettings) -> placement.Footprint:
@@ -99,6 +100,8 @@ class Runner:
             vocab.check_pair(self.path, self.draft_path)
         self.info = inspect(self.path)
         limit = self.info.context_length
+        if self.settings.n_ctx < MIN_CTX:
+            raise ConfigError(f"context {self.settings.n_ctx} is too small to chat in; use --ctx {MIN_CTX} or more")
         if limit and self.settings.n_ctx > limit:
             raise ConfigError(
                 f"context {self.settings.n_ctx} is larger than {self.info.name} supports ({limit});"

@@ -92,6 +92,26 @@ def test_an_empty_raw_prompt(small_model):
     _one_line_error(edgerun("run", "", "--raw", "-m", str(small_model), "-n", "4"), "prompt has no tokens")
 
 
+def test_counts_below_one_and_a_tiny_context(small_model):
+    proc = edgerun("run", "hi", "-m", str(small_model), "-n", "0")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("-n/--max-tokens: '0' is not a whole number of 1 or more")
+    # llama.cpp caps its batch at a small context: a longer prompt aborted the process
+    _one_line_error(edgerun("run", "hi", "-m", str(small_model), "--ctx", "16"), "--ctx 64")
+
+
+def test_a_reply_stops_where_the_context_ends(small_model, tmp_path):
+    """The reply is cut ("length") before the context overflows; it ended in a traceback from a
+    failed llama_decode."""
+    stats = tmp_path / "stats.json"
+    proc = edgerun("run", "List the numbers from 1 to 300, separated by commas.", "-m", str(small_model),
+                   "--ctx", "64", "-n", "500", "--temp", "0", "--stats-json", str(stats))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(stats.read_text())
+    assert data["finish"] == "length"
+    assert 100 < data["generated_tokens"] < 500
+
+
 def test_bad_gpu_layers_value(small_model):
     _one_line_error(edgerun("run", "hi", "-m", str(small_model), "--gpu-layers", "lots"), "--gpu-layers")
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from edgerun import _native
+from edgerun.decode import governor
 from edgerun.decode.speculative import Round, SpecConfig, Speculator
 from edgerun.errors import ConfigError
 from edgerun.runtime.engine import Context
@@ -83,6 +84,13 @@ def generate(
     """Evaluate the prompt, then decode up to max_tokens tokens, yielding each as it is ready."""
     if not prompt:  # e.g. `--raw ""` with a model that adds no BOS: no logits to pick from
         raise ConfigError("the prompt has no tokens, so there is nothing to continue; give some text")
+    # the reply ends ("length") where the context would overflow: a verify batch writes the
+    # newest token and up to K_MAX drafts past the last recorded one
+    room = ctx.n_ctx - len(prompt) - governor.K_MAX
+    if room < 1:
+        raise ConfigError(f"the prompt has {len(prompt)} tokens and the context holds {ctx.n_ctx}, leaving no room"
+                          " for a reply; start a new conversation or raise --ctx")
+    max_tokens = min(max_tokens, room)
     start = time.perf_counter()
     penalized = sampling.repeat_penalty != 1.0 and sampling.repeat_last_n != 0
     speculator = Speculator(spec or SpecConfig(), ctx, prompt, greedy=sampling.temperature <= 0 and not penalized)

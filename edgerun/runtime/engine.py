@@ -151,7 +151,7 @@ class Context:
         if not self.ptr:
             raise EngineError(f"llama.cpp could not create a context of {settings.n_ctx} tokens (out of memory?)")
         self.n_ctx = llama_cpp.llama_n_ctx(self.ptr)
-        self.n_batch = settings.n_batch
+        self.n_batch = llama_cpp.llama_n_batch(self.ptr)  # llama.cpp caps it at n_ctx
         self.batch = Batch(self.n_batch)
         self.mem = llama_cpp.llama_get_memory(self.ptr)
         self.tokens: list[int] = []  # what the KV cache holds, position by position
