@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -134,7 +135,7 @@ def llama_bench(binary: str, model: Path, *, ngl: int, threads: int | None = Non
     return float(json.loads(out)[0]["avg_ts"])
 
 
-def edgerun_run(model: Path, *args: str, raw: bool = True, reps: int = 3) -> dict:
+def edgerun_run(model: Path, *args: str, raw: bool = True, reps: int = 3, env: dict | None = None) -> dict:
     """Median decode tok/s of `edgerun run` over reps processes, with the last run's stats."""
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,7 +144,7 @@ def edgerun_run(model: Path, *args: str, raw: bool = True, reps: int = 3) -> dic
             cmd = [sys.executable, "-m", "edgerun.cli", "run", PROMPT, "-m", str(model), "-n", str(GEN),
                    "--temp", "0", "--ctx", "4096", "--stats-json", str(stats), *args]
             proc = subprocess.run(cmd + (["--raw"] if raw else []), stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True)
+                                  stderr=subprocess.PIPE, text=True, env=env)
             if proc.returncode != 0:
                 raise SystemExit(f"edgerun run failed: {proc.stderr.strip().splitlines()[-1:]}")
             runs.append(json.loads(stats.read_text()))
@@ -185,35 +186,50 @@ def cmd_shapes(args) -> None:
 def cmd_throughput(args) -> dict:
     """`edgerun run` (a reply to PROMPT) against llama-bench on the same file, fully on the GPU:
     its tg128 (generation from an empty context, after a warm-up), and its tg128 right after a
-    prompt of the same length (-d, one rep per process), which is what a reply is. On a GPU
-    the first steps after a prompt's batch re-capture llama.cpp's single-token CUDA graph
-    (about 2.5% of a 0.5B reply, in llama-bench too); tg128 never pays that."""
+    prompt of the same length (-d, one rep per process), which is what a reply is. With upstream
+    ggml-cuda the first steps after a prompt's batch re-capture the single-token CUDA graph (about
+    2.5% of a 0.5B reply, in llama-bench too); setup.sh's patch (scripts/llama_patches.py) keys
+    captured graphs by shape. --graph-key-ab adds, to every row, `edgerun run` and llama-bench -d
+    with the upstream key (EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE), side by side."""
     bw = copy_bandwidth()
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    upstream_key = os.environ | {"EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE": "1"}
     results = {}
     for name in args.which.split(","):
         model = args.dir / f"shape-{name}-q4_k_m.gguf"
-        # interleaved triples: the machine's speed drifts by a few percent between minutes, so
-        # each ratio compares neighbours
+        # interleaved rows: the machine's speed drifts by a few percent between minutes, so each
+        # ratio compares neighbours
         rows = []
         for _ in range(args.pairs):
             run = edgerun_run(model, "--gpu-layers", "auto", reps=1)
-            rows.append((run["decode_tok_s"], llama_bench(args.llama_bench, model, ngl=99),
-                         _llama_bench_depth(args.llama_bench, model, run["prompt_tokens"], ngl=99, threads=None,
-                                            runs=1)))
-        depth = run["prompt_tokens"]
-        ours, tg, after = (statistics.median(r[i] for r in rows) for i in range(3))
-        vs_tg = statistics.median(o / t for o, t, _ in rows)
-        vs_after = statistics.median(o / d for o, _, d in rows)
+            depth = run["prompt_tokens"]
+            row = [run["decode_tok_s"], llama_bench(args.llama_bench, model, ngl=99),
+                   _llama_bench_depth(args.llama_bench, model, depth, ngl=99, threads=None, runs=1)]
+            if args.graph_key_ab:
+                row += [edgerun_run(model, "--gpu-layers", "auto", reps=1, env=upstream_key)["decode_tok_s"],
+                        _llama_bench_depth(args.llama_bench, model, depth, ngl=99, threads=None, runs=1,
+                                           env=upstream_key)]
+            rows.append(row)
+        med = lambda f: statistics.median(f(r) for r in rows)  # noqa: E731
+        ours, tg, after = med(lambda r: r[0]), med(lambda r: r[1]), med(lambda r: r[2])
+        vs_tg, vs_after = med(lambda r: r[0] / r[1]), med(lambda r: r[0] / r[2])
         size = model.stat().st_size
         results[name] = {"edgerun": ours, "llama_bench_tg": tg, f"llama_bench_d{depth}": after,
                          "ratio_vs_prompted": vs_after, "ratio_vs_tg": vs_tg, "rows": rows,
                          "hbm_utilization": size * ours / bw, "file_bytes": size}
         print(f"{name}: edgerun run {ours:.1f} tok/s after a {depth}-token prompt; llama-bench -d {depth} {after:.1f}"
               f" (median paired ratio {vs_after:.3f}, goal >= 0.98), tg{GEN} {tg:.1f} ({vs_tg:.3f});"
-              f" rows {' '.join(f'{o:.0f}/{d:.0f}/{t:.0f}' for o, t, d in rows)} (ours/-d/tg);"
+              f" rows {' '.join('/'.join(f'{v:.0f}' for v in r) for r in rows)}"
+              f" (ours/tg/-d{'/ours upstream key/-d upstream key' if args.graph_key_ab else ''});"
               f" {size / 1e9:.2f} GB x {ours:.0f}/s = {size * ours / 1e12:.2f} TB/s, {size * ours / bw:.0%} of the copy rate",
               flush=True)
+        if args.graph_key_ab:
+            gain, gain_lb = med(lambda r: r[0] / r[3]), med(lambda r: r[2] / r[4])
+            results[name] |= {"edgerun_upstream_key": med(lambda r: r[3]), "llama_bench_d_upstream_key": med(lambda r: r[4]),
+                              "key_gain_edgerun": gain, "key_gain_llama_bench_d": gain_lb}
+            print(f"{name}: graph key per shape vs upstream (median paired ratios): edgerun run {gain:.3f},"
+                  f" llama-bench -d {depth} {gain_lb:.3f}; upstream-key edgerun vs tg{GEN}"
+                  f" {med(lambda r: r[3] / r[1]):.3f}", flush=True)
     return results
 
 
@@ -302,14 +318,15 @@ def cmd_probe(args) -> dict:
     return results
 
 
-def _llama_bench_depth(binary: str, model: Path, depth: int, *, ngl: int, threads: int | None, runs: int = 3) -> float:
+def _llama_bench_depth(binary: str, model: Path, depth: int, *, ngl: int, threads: int | None, runs: int = 3,
+                       env: dict | None = None) -> float:
     """llama-bench's tg128 right after a prompt of `depth` tokens (its -d), as in a reply: one
     rep per process (its later reps would restore the prompt's state without running it), the
     median of `runs` processes."""
     cmd = [binary, "-m", str(model), "-ngl", str(ngl), "-p", "0", "-n", str(GEN), "-d", str(depth), "-r", "1",
            "-o", "json"] + (["-t", str(threads)] if threads else [])
     return statistics.median(
-        float(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)[0]["avg_ts"])
+        float(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout)[0]["avg_ts"])
         for _ in range(runs))
 
 
@@ -451,6 +468,8 @@ def main() -> None:
         p.add_argument("--pairs", type=int, default=5, help="throughput: interleaved llama-bench/edgerun pairs")
         p.add_argument("--reps", type=int, default=7, help="gap: turns per variant")
         p.add_argument("--ngl", type=int, default=99, help="gap: target layers on the GPU (0: all on the CPU)")
+        p.add_argument("--graph-key-ab", action="store_true",
+                       help="throughput: also run each row with ggml-cuda's upstream CUDA graph key")
     for name in ("spec", "specprobe"):
         p = sub.add_parser(name)
         p.add_argument("target", type=Path)

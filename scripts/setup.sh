@@ -59,6 +59,10 @@ cmake_args+=" -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=O
 
 stamp="$state/.llama-cpp-python.stamp"
 want="$LLAMA_CPP_VERSION $backend $cmake_args"
+if [ "$backend" = cuda ]; then
+  # the CUDA build carries edgerun's source patches (scripts/llama_patches.py says what and why)
+  want+=" patches=$(sha256sum scripts/llama_patches.py | cut -d' ' -f1)"
+fi
 build_dir=()
 if [ -n "${EDGERUN_LLAMA_BUILD_DIR:-}" ]; then
   build_dir=(-C "build-dir=$EDGERUN_LLAMA_BUILD_DIR")
@@ -68,6 +72,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "building llama-cpp-python $LLAMA_CPP_VERSION ($backend backend; takes a few minutes)"
   "$py" -m pip install -q --upgrade pip scikit-build-core cmake ninja >&2
   sdist="${EDGERUN_LLAMA_SDIST:-llama-cpp-python==$LLAMA_CPP_VERSION}"
+  if [ "$backend" = cuda ]; then
+    "$py" scripts/llama_patches.py prepare "${EDGERUN_LLAMA_SDIST:-}" "$root/build/llama-src" --version "$LLAMA_CPP_VERSION"
+    sdist="$root/build/llama-src"
+  fi
   CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     "$py" -m pip install --no-cache-dir --force-reinstall --no-deps --no-build-isolation --no-binary llama-cpp-python \
     ${build_dir[@]+"${build_dir[@]}"} "$sdist" >&2

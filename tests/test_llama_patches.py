@@ -1,0 +1,104 @@
+"""setup.sh's source patches to llama.cpp (scripts/llama_patches.py): they apply once, to the pinned
+text only, and the patched CUDA graph key compiles and separates shapes that share a first node."""
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "llama_patches", Path(__file__).resolve().parents[1] / "scripts" / "llama_patches.py")
+llama_patches = sys.modules["llama_patches"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(llama_patches)
+
+(KEY,) = llama_patches.PATCHES
+UPSTREAM = "#include <cstdint>\n\n" + KEY.old + "\n\nstatic bool ggml_cuda_graph_update_required() { return true; }\n"
+
+
+def _sdist(tmp_path: Path, text: str) -> Path:
+    root = tmp_path / "src" / "llama_cpp_python-0.3.36"
+    target = root / KEY.path
+    target.parent.mkdir(parents=True)
+    target.write_text(text)
+    archive = tmp_path / "llama_cpp_python-0.3.36.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(root, arcname=root.name)
+    return archive
+
+
+def test_the_patch_applies_once_from_an_archive_or_a_folder(tmp_path):
+    archive = _sdist(tmp_path, UPSTREAM)
+    dest = tmp_path / "patched"
+    assert llama_patches.prepare(str(archive), dest, "0.3.36") == [KEY.name]
+    patched = (dest / KEY.path).read_text()
+    assert KEY.old not in patched and KEY.new in patched
+    assert patched.endswith("static bool ggml_cuda_graph_update_required() { return true; }\n")
+    # a patched folder is copied, not patched twice; the archive's own tree is left alone
+    again = tmp_path / "again"
+    assert llama_patches.prepare(str(dest), again, "0.3.36") == []
+    assert (again / KEY.path).read_text() == patched
+    assert llama_patches.apply_all(again) == []
+
+
+def test_a_changed_upstream_is_an_error_not_an_unpatched_build(tmp_path):
+    archive = _sdist(tmp_path, UPSTREAM.replace("return cgraph->nodes[0];", "return cgraph->nodes[1];"))
+    with pytest.raises(llama_patches.PatchError, match="occurs 0 times.*update scripts/llama_patches.py"):
+        llama_patches.prepare(str(archive), tmp_path / "patched", "0.3.36")
+    with pytest.raises(llama_patches.PatchError, match="is missing"):
+        llama_patches.apply_all(tmp_path)
+
+
+HARNESS = r"""
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+struct ggml_tensor { int64_t ne[4]; };
+struct ggml_cgraph { int n_nodes; ggml_tensor ** nodes; };
+%s
+int main(int argc, char ** argv) {
+    // the node array stays put, as llama.cpp's graph meta buffer does; only the shape changes
+    static ggml_tensor embd, logits, mid;
+    static ggml_tensor * nodes[2000];
+    for (int i = 0; i < 2000; i++) nodes[i] = &mid;
+    nodes[0] = &embd;
+    ggml_cgraph g = { 0, nodes };
+    for (int i = 1; i + 2 < argc; i += 3) {
+        g.n_nodes = atoi(argv[i]);
+        embd.ne[0] = 896; embd.ne[1] = atoi(argv[i + 1]);
+        logits.ne[0] = 151936; logits.ne[1] = atoi(argv[i + 2]);
+        nodes[g.n_nodes - 1] = &logits;
+        printf("%%llu %%d\n", (unsigned long long) (uintptr_t) ggml_cuda_graph_get_key(&g),
+               ggml_cuda_graph_get_key(&g) == (const void *) nodes[0]);
+        nodes[g.n_nodes - 1] = &mid;
+    }
+}
+"""
+
+
+@pytest.mark.slow
+def test_the_patched_key_compiles_and_tells_batch_sizes_apart(tmp_path):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx, "setup.sh builds llama.cpp, so a C++ compiler is on this machine"
+    source = tmp_path / "key.cpp"
+    source.write_text(HARNESS % KEY.new)
+    binary = tmp_path / "key"
+    subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", "-O1", str(source), "-o", str(binary)], check=True)
+    # one token, then an 83-token prompt (one logits row), then 4- and 5-token verify batches
+    # (every row), then one token again
+    shapes = ["1413", "1", "1", "1521", "83", "1", "1521", "4", "4", "1521", "5", "5", "1413", "1", "1"]
+
+    def keys(env):
+        out = subprocess.run([str(binary), *shapes], check=True, capture_output=True, text=True, env=env).stdout
+        return [tuple(map(int, line.split())) for line in out.splitlines()]
+
+    env = {k: v for k, v in os.environ.items() if k != "EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE"}
+    shaped = keys(env)
+    assert len({k for k, _ in shaped[:4]}) == 4, "each batch size has its own captured graph"
+    assert shaped[4] == shaped[0], "the single-token key is the same before and after the others"
+    assert not any(first for _, first in shaped)
+    upstream = keys(env | {"EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE": "1"})
+    assert all(first for _, first in upstream), "the switch restores the first-node key"
