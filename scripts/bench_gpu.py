@@ -135,13 +135,14 @@ def llama_bench(binary: str, model: Path, *, ngl: int, threads: int | None = Non
     return float(json.loads(out)[0]["avg_ts"])
 
 
-def edgerun_run(model: Path, *args: str, raw: bool = True, reps: int = 3, env: dict | None = None) -> dict:
+def edgerun_run(model: Path, *args: str, raw: bool = True, reps: int = 3, env: dict | None = None,
+                prompt: str = PROMPT) -> dict:
     """Median decode tok/s of `edgerun run` over reps processes, with the last run's stats."""
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         stats = Path(tmp) / "stats.json"
         for _ in range(reps):
-            cmd = [sys.executable, "-m", "edgerun.cli", "run", PROMPT, "-m", str(model), "-n", str(GEN),
+            cmd = [sys.executable, "-m", "edgerun.cli", "run", prompt, "-m", str(model), "-n", str(GEN),
                    "--temp", "0", "--ctx", "4096", "--stats-json", str(stats), *args]
             proc = subprocess.run(cmd + (["--raw"] if raw else []), stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE, text=True, env=env)
@@ -205,6 +206,8 @@ def cmd_throughput(args) -> dict:
             depth = run["prompt_tokens"]
             row = [run["decode_tok_s"], llama_bench(args.llama_bench, model, ngl=99),
                    _llama_bench_depth(args.llama_bench, model, depth, ngl=99, threads=None, runs=1)]
+            if args.short_prompt:
+                row.append(edgerun_run(model, "--gpu-layers", "auto", reps=1, prompt="H")["decode_tok_s"])
             if args.graph_key_ab:
                 row += [edgerun_run(model, "--gpu-layers", "auto", reps=1, env=upstream_key)["decode_tok_s"],
                         _llama_bench_depth(args.llama_bench, model, depth, ngl=99, threads=None, runs=1,
@@ -220,16 +223,24 @@ def cmd_throughput(args) -> dict:
         print(f"{name}: edgerun run {ours:.1f} tok/s after a {depth}-token prompt; llama-bench -d {depth} {after:.1f}"
               f" (median paired ratio {vs_after:.3f}, goal >= 0.98), tg{GEN} {tg:.1f} ({vs_tg:.3f});"
               f" rows {' '.join('/'.join(f'{v:.0f}' for v in r) for r in rows)}"
-              f" (ours/tg/-d{'/ours upstream key/-d upstream key' if args.graph_key_ab else ''});"
+              f" (ours/tg/-d{'/ours one-token prompt' if args.short_prompt else ''}"
+              f"{'/ours upstream key/-d upstream key' if args.graph_key_ab else ''});"
               f" {size / 1e9:.2f} GB x {ours:.0f}/s = {size * ours / 1e12:.2f} TB/s, {size * ours / bw:.0%} of the copy rate",
               flush=True)
+        k = 3
+        if args.short_prompt:
+            short, vs_tg_short = med(lambda r: r[3]), med(lambda r: r[3] / r[1])
+            results[name] |= {"edgerun_one_token_prompt": short, "ratio_one_token_prompt_vs_tg": vs_tg_short}
+            print(f"{name}: edgerun run after a one-token prompt (tg{GEN}'s workload) {short:.1f} tok/s,"
+                  f" median paired ratio to tg{GEN} {vs_tg_short:.3f}", flush=True)
+            k = 4
         if args.graph_key_ab:
-            gain, gain_lb = med(lambda r: r[0] / r[3]), med(lambda r: r[2] / r[4])
-            results[name] |= {"edgerun_upstream_key": med(lambda r: r[3]), "llama_bench_d_upstream_key": med(lambda r: r[4]),
+            gain, gain_lb = med(lambda r: r[0] / r[k]), med(lambda r: r[2] / r[k + 1])
+            results[name] |= {"edgerun_upstream_key": med(lambda r: r[k]), "llama_bench_d_upstream_key": med(lambda r: r[k + 1]),
                               "key_gain_edgerun": gain, "key_gain_llama_bench_d": gain_lb}
             print(f"{name}: graph key per shape vs upstream (median paired ratios): edgerun run {gain:.3f},"
                   f" llama-bench -d {depth} {gain_lb:.3f}; upstream-key edgerun vs tg{GEN}"
-                  f" {med(lambda r: r[3] / r[1]):.3f}", flush=True)
+                  f" {med(lambda r: r[k] / r[1]):.3f}", flush=True)
     return results
 
 
@@ -246,26 +257,38 @@ def _layers_for(model: Path, max_vram: int) -> int:
 
 
 def cmd_offload(args) -> dict:
+    """edgerun's auto plan on a GPU that holds about half the 7B, and the 1.5B all on the CPU, each
+    against llama-bench with the same split: interleaved rows (an `edgerun run` process, then
+    llama-bench -r 2), medians of the paired ratios; the CPU rows at each of --cpu-threads."""
     from edgerun.runtime import placement
 
     results = {}
-    model = args.dir / "shape-7b-q4_k_m.gguf"
-    half = model.stat().st_size // 2
-    cap = half + placement.VRAM_MARGIN + 400 * 2**20  # a GPU that holds about half the weights
-    n = _layers_for(model, cap)
-    ours = edgerun_run(model, "--max-vram", f"{cap / 2**30:.3f}", "--threads", str(args.threads))["decode_tok_s"]
-    same = llama_bench(args.llama_bench, model, ngl=n, threads=args.threads, reps=2)
-    quoted = llama_bench(args.llama_bench, model, ngl=14, threads=args.threads, reps=2)
-    results["7b_partial"] = {"edgerun_auto": ours, "auto_layers": n, "llama_bench_same_layers": same,
-                             "llama_bench_ngl14": quoted, "ratio_same_layers": ours / same, "max_vram": cap}
-    print(f"7b, {cap / 2**30:.2f} GiB VRAM cap: edgerun auto plan {n} layers {ours:.1f} tok/s;"
-          f" llama-bench -ngl {n} {same:.1f} tok/s (ratio {ours / same:.3f}); -ngl 14 {quoted:.1f} tok/s", flush=True)
+
+    def rows(label, model, ours_args, ngl, threads):
+        pairs = []
+        for _ in range(args.pairs):
+            ours = edgerun_run(model, *ours_args, "--threads", str(threads), reps=1)["decode_tok_s"]
+            pairs.append((ours, llama_bench(args.llama_bench, model, ngl=ngl, threads=threads, reps=2)))
+        ratio = statistics.median(o / t for o, t in pairs)
+        results[label] = {"edgerun": statistics.median(o for o, _ in pairs), "llama_bench": statistics.median(t for _, t in pairs),
+                          "ratio": ratio, "rows": pairs, "ngl": ngl, "threads": threads}
+        print(f"{label}: edgerun {results[label]['edgerun']:.1f} tok/s, llama-bench -ngl {ngl} -t {threads}"
+              f" {results[label]['llama_bench']:.1f} tok/s, median paired ratio {ratio:.3f};"
+              f" rows {' '.join(f'{o:.1f}/{t:.1f}' for o, t in pairs)}", flush=True)
+
     model = args.dir / "shape-1.5b-q4_k_m.gguf"
-    ours = edgerun_run(model, "--gpu-layers", "0", "--threads", str(args.threads))["decode_tok_s"]
-    theirs = llama_bench(args.llama_bench, model, ngl=0, threads=args.threads, reps=2)
-    results["1.5b_cpu"] = {"edgerun": ours, "llama_bench": theirs, "ratio": ours / theirs}
-    print(f"1.5b all on CPU, {args.threads} threads: edgerun {ours:.1f} tok/s, llama-bench {theirs:.1f} tok/s,"
-          f" ratio {ours / theirs:.3f}", flush=True)
+    if model.exists():
+        for threads in args.cpu_threads:
+            rows(f"1.5b all on CPU, {threads} threads", model, ["--gpu-layers", "0"], 0, threads)
+    model = args.dir / "shape-7b-q4_k_m.gguf"
+    if model.exists():
+        half = model.stat().st_size // 2
+        cap = half + placement.VRAM_MARGIN + 400 * 2**20  # a GPU that holds about half the weights
+        n = _layers_for(model, cap)
+        rows(f"7b, {cap / 2**30:.2f} GiB VRAM cap (auto plan: {n} layers)", model,
+             ["--max-vram", f"{cap / 2**30:.3f}"], n, args.threads)
+        quoted = llama_bench(args.llama_bench, model, ngl=14, threads=args.threads, reps=2)
+        print(f"7b llama-bench -ngl 14 -t {args.threads}: {quoted:.1f} tok/s", flush=True)
     return results
 
 
@@ -468,6 +491,9 @@ def main() -> None:
         p.add_argument("--pairs", type=int, default=5, help="throughput: interleaved llama-bench/edgerun pairs")
         p.add_argument("--reps", type=int, default=7, help="gap: turns per variant")
         p.add_argument("--ngl", type=int, default=99, help="gap: target layers on the GPU (0: all on the CPU)")
+        p.add_argument("--cpu-threads", type=int, nargs="+", default=[16], help="offload: thread counts of the CPU rows")
+        p.add_argument("--short-prompt", action="store_true",
+                       help="throughput: also an `edgerun run` of a one-token prompt (tg128's workload) in each row")
         p.add_argument("--graph-key-ab", action="store_true",
                        help="throughput: also run each row with ggml-cuda's upstream CUDA graph key")
     for name in ("spec", "specprobe"):
