@@ -102,3 +102,17 @@ def test_the_patched_key_compiles_and_tells_batch_sizes_apart(tmp_path):
     assert not any(first for _, first in shaped)
     upstream = keys(env | {"EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE": "1"})
     assert all(first for _, first in upstream), "the switch restores the first-node key"
+
+
+def _cuda_library() -> Path | None:
+    import llama_cpp
+
+    found = sorted((Path(llama_cpp.__file__).parent / "lib").glob("libggml-cuda.so*"))
+    return found[0] if found else None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_library() is None, reason="llama.cpp was built without CUDA on this machine")
+def test_the_cuda_build_carries_the_patch():
+    """setup.sh built the CUDA backend from the patched tree: the patch's switch is in the library."""
+    assert b"EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE" in _cuda_library().read_bytes()
