@@ -3,7 +3,9 @@
 
   bench_gpu.py shapes DIR                 random-weight Q4_K_M models with Qwen2.5's real shapes
   bench_gpu.py throughput DIR --llama-bench BIN   decode tok/s, fully on the GPU, ratios + HBM use
+      [--short-prompt] [--graph-key-ab]           ... plus tg128's workload; the upstream CUDA graph key
   bench_gpu.py offload DIR --llama-bench BIN      7B half on the GPU, 1.5B all on the CPU
+      [--cpu-threads 16 8]                        ... the CPU rows at these thread counts
   bench_gpu.py probe DIR --llama-bench BIN        where a decode step's time goes (native loop vs run)
   bench_gpu.py gap DIR --llama-bench BIN          edgerun's decode path vs llama-bench, one variable at a time
   bench_gpu.py spec TARGET DRAFT           the real pair: plain vs speculative, GPU and CPU+GPU
