@@ -160,7 +160,10 @@ def test_ngram_drafter_on_a_copy_task_accepts_and_stays_exact(small):
     ctx.trim(0)
     plain, _, _ = _run(ctx, tokens, GREEDY, 160)
     ctx.trim(0)
-    spec, _, rounds = _run(ctx, tokens, GREEDY, 160, SpecConfig(ngram=True))
+    # a fixed k: on a 2-core CPU the governor's call for n-gram drafts is close (a 3-token verify
+    # costs about 2.5 plain steps), so how often it drafts follows timing noise; its choices are
+    # tested in test_governor.py, the drafter's proposals here
+    spec, _, rounds = _run(ctx, tokens, GREEDY, 160, SpecConfig(ngram=True, k=4))
     assert spec == plain
     ngram = [r for r in rounds if r.drafter == "ngram"]
     accepted, drafted = sum(r.accepted for r in ngram), sum(r.drafted for r in ngram)
