@@ -206,43 +206,40 @@ def cmd_throughput(args) -> dict:
         for _ in range(args.pairs):
             run = edgerun_run(model, "--gpu-layers", "auto", reps=1)
             depth = run["prompt_tokens"]
-            row = [run["decode_tok_s"], llama_bench(args.llama_bench, model, ngl=99),
-                   _llama_bench_depth(args.llama_bench, model, depth, ngl=99, threads=None, runs=1)]
+            row = {"ours": run["decode_tok_s"], "tg": llama_bench(args.llama_bench, model, ngl=99),
+                   "d": _llama_bench_depth(args.llama_bench, model, depth, ngl=99, threads=None, runs=1)}
             if args.short_prompt:
-                row.append(edgerun_run(model, "--gpu-layers", "auto", reps=1, prompt="H")["decode_tok_s"])
+                row["ours one-token prompt"] = edgerun_run(model, "--gpu-layers", "auto", reps=1, prompt="H")["decode_tok_s"]
             if args.graph_key_ab:
-                row += [edgerun_run(model, "--gpu-layers", "auto", reps=1, env=upstream_key)["decode_tok_s"],
-                        _llama_bench_depth(args.llama_bench, model, depth, ngl=99, threads=None, runs=1,
-                                           env=upstream_key)]
+                row["ours upstream key"] = edgerun_run(model, "--gpu-layers", "auto", reps=1, env=upstream_key)["decode_tok_s"]
+                row["d upstream key"] = _llama_bench_depth(args.llama_bench, model, depth, ngl=99, threads=None, runs=1,
+                                                           env=upstream_key)
             rows.append(row)
         med = lambda f: statistics.median(f(r) for r in rows)  # noqa: E731
-        ours, tg, after = med(lambda r: r[0]), med(lambda r: r[1]), med(lambda r: r[2])
-        vs_tg, vs_after = med(lambda r: r[0] / r[1]), med(lambda r: r[0] / r[2])
+        ours, tg, after = med(lambda r: r["ours"]), med(lambda r: r["tg"]), med(lambda r: r["d"])
+        vs_tg, vs_after = med(lambda r: r["ours"] / r["tg"]), med(lambda r: r["ours"] / r["d"])
         size = model.stat().st_size
         results[name] = {"edgerun": ours, "llama_bench_tg": tg, f"llama_bench_d{depth}": after,
                          "ratio_vs_prompted": vs_after, "ratio_vs_tg": vs_tg, "rows": rows,
                          "hbm_utilization": size * ours / bw, "file_bytes": size}
         print(f"{name}: edgerun run {ours:.1f} tok/s after a {depth}-token prompt; llama-bench -d {depth} {after:.1f}"
               f" (median paired ratio {vs_after:.3f}, goal >= 0.98), tg{GEN} {tg:.1f} ({vs_tg:.3f});"
-              f" rows {' '.join('/'.join(f'{v:.0f}' for v in r) for r in rows)}"
-              f" (ours/tg/-d{'/ours one-token prompt' if args.short_prompt else ''}"
-              f"{'/ours upstream key/-d upstream key' if args.graph_key_ab else ''});"
+              f" rows {' '.join('/'.join(f'{v:.0f}' for v in r.values()) for r in rows)} ({'/'.join(rows[0])});"
               f" {size / 1e9:.2f} GB x {ours:.0f}/s = {size * ours / 1e12:.2f} TB/s, {size * ours / bw:.0%} of the copy rate",
               flush=True)
-        k = 3
         if args.short_prompt:
-            short, vs_tg_short = med(lambda r: r[3]), med(lambda r: r[3] / r[1])
+            short, vs_tg_short = med(lambda r: r["ours one-token prompt"]), med(lambda r: r["ours one-token prompt"] / r["tg"])
             results[name] |= {"edgerun_one_token_prompt": short, "ratio_one_token_prompt_vs_tg": vs_tg_short}
             print(f"{name}: edgerun run after a one-token prompt (tg{GEN}'s workload) {short:.1f} tok/s,"
                   f" median paired ratio to tg{GEN} {vs_tg_short:.3f}", flush=True)
-            k = 4
         if args.graph_key_ab:
-            gain, gain_lb = med(lambda r: r[0] / r[k]), med(lambda r: r[2] / r[k + 1])
-            results[name] |= {"edgerun_upstream_key": med(lambda r: r[k]), "llama_bench_d_upstream_key": med(lambda r: r[k + 1]),
+            gain, gain_lb = med(lambda r: r["ours"] / r["ours upstream key"]), med(lambda r: r["d"] / r["d upstream key"])
+            results[name] |= {"edgerun_upstream_key": med(lambda r: r["ours upstream key"]),
+                              "llama_bench_d_upstream_key": med(lambda r: r["d upstream key"]),
                               "key_gain_edgerun": gain, "key_gain_llama_bench_d": gain_lb}
             print(f"{name}: graph key per shape vs upstream (median paired ratios): edgerun run {gain:.3f},"
                   f" llama-bench -d {depth} {gain_lb:.3f}; upstream-key edgerun vs tg{GEN}"
-                  f" {med(lambda r: r[k] / r[1]):.3f}", flush=True)
+                  f" {med(lambda r: r['ours upstream key'] / r['tg']):.3f}", flush=True)
     return results
 
 
@@ -490,7 +487,7 @@ def main() -> None:
         p.add_argument("--llama-bench", required=True)
         p.add_argument("--which", default="0.5b,1.5b,7b")
         p.add_argument("--threads", type=int, default=16)
-        p.add_argument("--pairs", type=int, default=5, help="throughput: interleaved llama-bench/edgerun pairs")
+        p.add_argument("--pairs", type=int, default=5, help="throughput, offload: interleaved rows")
         p.add_argument("--reps", type=int, default=7, help="gap: turns per variant")
         p.add_argument("--ngl", type=int, default=99, help="gap: target layers on the GPU (0: all on the CPU)")
         p.add_argument("--cpu-threads", type=int, nargs="+", default=[16], help="offload: thread counts of the CPU rows")
