@@ -190,9 +190,8 @@ def cmd_throughput(args) -> dict:
     """`edgerun run` (a reply to PROMPT) against llama-bench on the same file, fully on the GPU:
     its tg128 (generation from an empty context, after a warm-up), and its tg128 right after a
     prompt of the same length (-d, one rep per process), which is what a reply is. With upstream
-    ggml-cuda the first steps after a prompt's batch re-capture the single-token CUDA graph (about
-    2.5% of a 0.5B reply, in llama-bench too); setup.sh's patch (scripts/llama_patches.py) keys
-    captured graphs by shape. --graph-key-ab adds, to every row, `edgerun run` and llama-bench -d
+    ggml-cuda the first steps after a prompt's batch re-capture the single-token CUDA graph;
+    setup.sh's patch (scripts/llama_patches.py) keys captured graphs by shape. --graph-key-ab adds, to every row, `edgerun run` and llama-bench -d
     with the upstream key (EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE), side by side."""
     bw = copy_bandwidth()
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

@@ -12,9 +12,10 @@ The patch (upstreamable, one function):
 **ggml-cuda's CUDA graph key.** ggml-cuda keeps one captured CUDA graph per key, and the key was
 the graph's first node. llama.cpp builds the graph of every batch size on the same first node, so
 a prompt's batch (or a speculative verify batch) overwrote the single-token graph's recorded
-properties: the next decode step ran uncaptured and the one after captured the graph again. That
-cost about 2.5% of a 128-token reply on the 0.5B shape (llama-bench -d shows it too). Keyed by
-shape as well, each batch size keeps its own captured graph.
+properties: the next decode step ran uncaptured and the one after captured the graph again, in
+every reply. Keyed by shape as well, each batch size keeps its own captured graph: on an H200,
+`edgerun run` replies got 1.0-1.7% faster on the 0.5B and 1.5B shapes and 0.6% on the 7B
+(docs/BENCHMARKS.md, sixth GPU session).
 """
 from __future__ import annotations
 
