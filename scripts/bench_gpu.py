@@ -356,7 +356,8 @@ def cmd_gap(args) -> dict:
     CLI's path without printing): stretches of one native call each vs the whole reply in one
     call, the decode left in flight, the pick in the graph, llama.cpp's debug log lines calling
     into Python (before the native filter), and a real prompt (on a GPU llama.cpp
-    re-captures its single-token CUDA graph after the prompt's batch) vs a BOS-only one
+    re-captured its single-token CUDA graph after the prompt's batch before setup.sh's graph-key
+    patch) vs a BOS-only one
     (llama-bench's tg test). Variants take turns; each runs twice and the second counts (a
     sampler switch re-plans the graph). --ngl 0 --threads N: the same on the CPU."""
     import ctypes

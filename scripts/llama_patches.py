@@ -46,7 +46,7 @@ _CUDA_GRAPH_KEY_NEW = """\
 static const void * ggml_cuda_graph_get_key(ggml_cgraph * cgraph) {
     // edgerun patch (scripts/llama_patches.py): one captured graph per shape, not per first node.
     // llama.cpp builds every batch size on the same first node, so a prompt's batch reset the
-    // single-token graph and the next two decode steps ran uncaptured, then re-captured. Two
+    // single-token graph: the next decode step ran uncaptured, the one after captured again. Two
     // shapes that share a key cost a capture, never a wrong result: every node's properties are
     // compared before a captured graph is replayed. EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE (set to
     // anything) restores the upstream key, for side-by-side measurements.

@@ -96,7 +96,8 @@ def test_counts_below_one_and_a_tiny_context(small_model):
     proc = edgerun("run", "hi", "-m", str(small_model), "-n", "0")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith("-n/--max-tokens: '0' is not a whole number of 1 or more")
-    # llama.cpp caps its batch at a small context: a longer prompt aborted the process
+    # --ctx 16 aborted the process (llama.cpp caps its batch at the context; edgerun chunked the
+    # prompt by the requested 512); a context too small for a chat template is now refused
     _one_line_error(edgerun("run", "hi", "-m", str(small_model), "--ctx", "16"), "--ctx 64")
 
 
