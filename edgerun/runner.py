@@ -126,6 +126,10 @@ class Runner:
             self._warm_up(speculating=self.draft_ctx is not None or ngram)
         if (self.draft_ctx is not None or ngram) and spec_k is None:
             self.spec.governors.update(self._measure_costs())
+            # a draft the load-time costs already rule out: replies decode as plain ones do (their
+            # sampler settles before the prompt), so warm that graph here as _warm_up does for them
+            if self.plan.gpu_bytes and not ngram and governor.given_up(self.spec.governors["model"]):
+                self._warm_device_greedy()
 
     def _warm_up(self, *, speculating: bool) -> None:
         """Run each batch shape the replies will use once before the first reply, as llama.cpp's
@@ -137,16 +141,21 @@ class Runner:
         for n in (1, *range(1, widest + 1)):  # the single-token step twice: it is nearly every step
             self.ctx.eval([token] * n, all_logits=True)
             self.ctx.trim(0)
-        # a plain greedy reply picks in the graph (generate.py): that is another graph; left
-        # attached, a greedy reply starts warm and another reply detaches it once
-        if not speculating and self.ctx.greedy_on_device(self.ctx.output_on_gpu):
-            for _ in range(2):
-                self.ctx.eval([token])
-            self.ctx.trim(0)
+        if not speculating:
+            self._warm_device_greedy()
         if self.draft_ctx is not None:
             for _ in range(2):
                 self.draft_ctx.eval([token])
             self.draft_ctx.trim(0)
+
+    def _warm_device_greedy(self) -> None:
+        """A plain greedy reply picks in the graph (generate.py): that is another graph. Left
+        attached, a greedy reply starts warm and another reply detaches it once."""
+        if self.ctx.greedy_on_device(self.ctx.output_on_gpu):
+            token = self.model.bos if self.model.bos >= 0 else 0
+            for _ in range(2):
+                self.ctx.eval([token])
+            self.ctx.trim(0)
 
     def _measure_costs(self) -> dict[str, governor.GovernorState]:
         """Time every verify batch size, and the draft's step and catch-up when there is a draft,

@@ -462,6 +462,8 @@ def cmd_spec(args) -> dict:
         "cpu_target_gpu_draft": ["--gpu-layers", "0", "--threads", str(args.threads)],
     }
     for label, place in scenarios.items():
+        if args.scenarios and label not in args.scenarios:
+            continue
         plain = edgerun_run(args.target, *place, "--draft", "none", raw=False, reps=args.reps)
         spec = edgerun_run(args.target, *place, "--draft", str(args.draft), raw=False, reps=args.reps)
         ratio = spec["decode_tok_s"] / plain["decode_tok_s"]
@@ -501,6 +503,8 @@ def main() -> None:
         p.add_argument("draft", type=Path)
         p.add_argument("--threads", type=int, default=16)
         p.add_argument("--reps", type=int, default=2)
+        p.add_argument("--scenarios", nargs="+", choices=["gpu_target_gpu_draft", "cpu_target_gpu_draft"],
+                       help="spec: run only these")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     out = {"shapes": cmd_shapes, "throughput": cmd_throughput, "offload": cmd_offload, "probe": cmd_probe, "gap": cmd_gap,

@@ -357,3 +357,29 @@ def test_a_load_time_plain_timing_is_checked_in_place_before_drafting():
     # a drafted round does not count as the check
     s = update(new_reply(loaded), k=3, drafted=3, accepted=3, draft_s=0.0036, verify_s=0.0033, decided="")
     assert s.plain_from_load
+
+
+def test_costs_that_rule_a_re_check_out_give_up_before_any_plain_stretch():
+    """Plain wins at the prior acceptance and a re-check's catch-up would cost 7% of decoding time
+    (an H200 with both models on it): the governor gives up at once, even before timing a plain
+    step in place, so a reply can decode plain from its first token. A cheap catch-up keeps the
+    old course: time a plain step, wait a plain stretch, then re-check."""
+    from edgerun.decode.governor import given_up, new_reply
+
+    loaded = GovernorState(draft_step_s=0.0012, verify_s=tuple((n, 0.0018 + 0.0003 * n) for n in range(1, 10)),
+                           drafted_rounds=gov.WARM_ROUNDS, plain_from_load=True, catch_up_s=0.00013)
+    s = new_reply(loaded)
+    why = given_up(s)
+    assert why and "re-checking the draft would cost" in why
+    assert choose(s) == (0, why)
+    cheap = new_reply(replace(loaded, catch_up_s=0.00001))
+    assert given_up(cheap) is None and choose(cheap) == (0, "timing a plain step")
+    cheap = update(cheap, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=0.0021, decided="", steps=8)
+    assert choose(cheap)[0] == 1  # a re-check is due after the plain stretch, and cheap enough
+
+
+def test_a_draft_that_wins_is_not_given_up():
+    from edgerun.decode.governor import given_up
+
+    assert given_up(measured(CHEAP, alpha=0.9)) is None
+    assert given_up(GovernorState()) is None  # nothing measured yet

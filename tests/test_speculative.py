@@ -219,7 +219,50 @@ def test_a_draft_that_cannot_win_is_judged_at_load_and_never_run(small_model):
         plain, _, _ = _run(r.ctx, r.chat_tokens(_user(PROMPTS[1])), GREEDY, 40, SpecConfig())
         assert not r.ctx.picks_on_device
         forced = replace(r.spec, device_greedy=True)
-        picked, _, rounds = _run(r.ctx, r.chat_tokens(_user(PROMPTS[1])), GREEDY, 40, forced)
+        switches, records = _sampler_switches(r.ctx, r.chat_tokens(_user(PROMPTS[1])), 40, forced)
+        picked = [x.token for x in records if isinstance(x, Step)]
         assert picked == plain and r.ctx.picks_on_device
+        # the costs ruled the draft out before the reply began: the sampler settled before the
+        # prompt, once, and never mid-reply (a switch rebuilds llama.cpp's scheduler)
+        assert [on for on, seen in switches if seen] == [] and [on for on, _ in switches] == [True], switches
         _run(r.ctx, r.chat_tokens(_user(PROMPTS[1])), GREEDY.replace(temperature=0.5), 4, forced)
         assert not r.ctx.picks_on_device  # sampling needs the logits
+
+
+def _sampler_switches(ctx, tokens, n, spec):
+    """Run a greedy reply and record each call of the context's real greedy_on_device: (on,
+    whether a record of the reply had been yielded by then)."""
+    calls, records = [], []
+    real = ctx.greedy_on_device
+
+    def spy(on):
+        calls.append((on, bool(records)))
+        return real(on)
+
+    ctx.greedy_on_device = spy
+    try:
+        for record in generate(ctx, tokens, GREEDY, max_tokens=n, spec=spec):
+            records.append(record)
+    finally:
+        del ctx.greedy_on_device
+    return calls, records
+
+
+def test_a_draft_given_up_mid_reply_leaves_the_sampler_alone(small_model):
+    """Load-time costs that make the draft look fast (a plain step 'timed' at 1 s) keep it in
+    play until a real plain step is timed; then the costs rule it out mid-reply. From there the
+    reply decodes plain (long stretches), but its sampler stays as it was before the prompt:
+    switching it rebuilds llama.cpp's scheduler and, on a GPU, recaptures every graph."""
+    with Runner(small_model, SETTINGS, draft=str(small_model)) as r:
+        measured = r.spec.governors["model"]
+        slow_plain = tuple((n, 1.0 + t) if n == 1 else (n, t) for n, t in measured.verify_s)
+        r.spec.governors["model"] = replace(measured, verify_s=slow_plain, plain_from_load=True)
+        assert governor.given_up(r.spec.governors["model"]) is None
+        plain, _, _ = _run(r.ctx, r.chat_tokens(_user(PROMPTS[0])), GREEDY, 40, SpecConfig())
+        forced = replace(r.spec, device_greedy=True)
+        switches, records = _sampler_switches(r.ctx, r.chat_tokens(_user(PROMPTS[0])), 40, forced)
+        rounds = [x for x in records if isinstance(x, Round)]
+        assert [x.token for x in records if isinstance(x, Step)] == plain
+        assert rounds[0].decided == "timing a plain step" and "draft off" in rounds[-1].decided, rounds
+        assert sum(x.drafted for x in rounds) == 0 and r.draft_ctx.n_past == 0
+        assert [on for on, seen in switches if seen] == [] and not r.ctx.picks_on_device, switches

@@ -81,25 +81,18 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
     plain = rate(state, 0)
     if plain is None:
         return 0, "measuring plain decoding"
+    why = given_up(state, k_cap)
+    if why:
+        return 0, why
     if state.plain_from_load:
         # a timing taken at load, between other shapes, can be far off (on a GPU: 2.9 ms measured
         # vs 1.8 ms in a reply). Drafting never times a plain step, so one wrong number there
         # would keep a losing draft on for the whole session: time one real step first.
         return 0, "timing a plain step"
-    if state.draft_step_s is None or len(state.verify_s) < 2 or state.drafted_rounds < state.warm_rounds:
+    if not _draft_measured(state):
         return min(2, k_cap), "measuring the draft"
-    best_k, best = 0, plain
-    for k in range(1, k_cap + 1):
-        r = rate(state, k)
-        if r is not None and r > best:
-            best_k, best = k, r
-    if best_k == 0 and hopeless(state, k_cap, plain):
-        return 0, f"draft off: even 100% acceptance cannot beat plain {plain:.1f} tok/s here"
+    best_k, best = _best(state, k_cap, plain)
     if best_k == 0 and state.plain_rounds >= state.probe_every:
-        share = catch_up_share(state, plain)
-        if share > PROBE_COST_MAX:
-            return 0, (f"draft off: plain {plain:.1f} tok/s wins, and re-checking the draft would cost"
-                       f" {share:.0%} of decoding time in catch-up")
         return 1, f"re-checking the draft (plain wins: {plain:.1f} tok/s)"
     if best_k == 0:
         return 0, f"draft off: plain {plain:.1f} tok/s beats any k (acceptance {state.alpha:.0%})"
@@ -114,6 +107,40 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
         # the cost of a longer draft is only extrapolated so far: measure it once
         return best_k + 1, f"trying k={best_k + 1} (k={best_k} expected {best:.1f} vs plain {plain:.1f} tok/s)"
     return best_k, f"k={best_k}: {best:.1f} vs plain {plain:.1f} tok/s expected (acceptance {state.alpha:.0%})"
+
+
+def given_up(state: GovernorState, k_cap: int = K_MAX) -> str | None:
+    """Why the measured costs rule drafting out without a re-check, or None. Plain decoding wins
+    at the acceptance believed now, and a re-check cannot change that: even 100% acceptance
+    loses (hopeless), or the draft's catch-up after a plain stretch would cost more than
+    PROBE_COST_MAX of decoding time. Only a drafted round moves the acceptance, so a reply that
+    gives up can decode plain to its end. A plain step timed at load is, if anything, too slow
+    (noise only adds time), and that makes drafting look better: giving up on it is safe."""
+    plain = rate(state, 0)
+    if plain is None or not _draft_measured(state) or _best(state, k_cap, plain)[0] > 0:
+        return None
+    if hopeless(state, k_cap, plain):
+        return f"draft off: even 100% acceptance cannot beat plain {plain:.1f} tok/s here"
+    share = catch_up_share(state, plain)
+    if share > PROBE_COST_MAX:
+        return (f"draft off: plain {plain:.1f} tok/s wins, and re-checking the draft would cost"
+                f" {share:.0%} of decoding time in catch-up")
+    return None
+
+
+def _draft_measured(state: GovernorState) -> bool:
+    """The draft's step and two verify sizes are timed, past the cold first rounds."""
+    return state.draft_step_s is not None and len(state.verify_s) >= 2 and state.drafted_rounds >= state.warm_rounds
+
+
+def _best(state: GovernorState, k_cap: int, plain: float) -> tuple[int, float]:
+    """The k with the highest expected rate, and that rate (0 and plain when no k beats plain)."""
+    best_k, best = 0, plain
+    for k in range(1, k_cap + 1):
+        r = rate(state, k)
+        if r is not None and r > best:
+            best_k, best = k, r
+    return best_k, best
 
 
 def new_reply(state: GovernorState) -> GovernorState:

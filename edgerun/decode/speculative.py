@@ -80,6 +80,7 @@ class Speculator:
             self.gov[name] = governor.new_reply(self.gov.get(name, fresh))
         self._pending: tuple[str, int, str] = ("none", 0, "")
         self._catch_up_s = 0.0
+        self._gave_up = False  # the governor ruled the model draft out for the rest of this reply
 
     def _choose(self, name: str, available: int | None, remaining: int | None = None,
                 lag: int = 0) -> tuple[int, str]:
@@ -109,12 +110,14 @@ class Speculator:
         return self.target.tokens[keep:] + [last], keep
 
     def _until_probe(self) -> int | None:
-        """Plain tokens until the governor re-checks the model draft; 0 or less: it gave up on the
-        draft for this reply (costs alone rule it out); None: no governed model draft."""
+        """Plain tokens until the governor re-checks the model draft; 0 or less: a re-check is due,
+        or the governor gave up on the draft for this reply (governor.given_up: the costs alone
+        rule it out, which holds to the reply's end); None: no governed model draft."""
         if self.cfg.draft is None or self.cfg.k is not None:
             return None
         state = self.gov["model"]
-        return state.probe_every - state.plain_rounds
+        self._gave_up = self._gave_up or governor.given_up(state) is not None
+        return 0 if self._gave_up else state.probe_every - state.plain_rounds
 
     def _plain_steps(self, remaining: int) -> int:
         """How many plain tokens one native call may decode: one while an n-gram match could start
@@ -132,11 +135,13 @@ class Speculator:
         until_probe = self._until_probe()
         return self.ngram is None and (self.cfg.draft is None or (until_probe is not None and until_probe <= 0))
 
-    def settle_sampler(self, drafting: bool = False) -> None:
-        """Let plain steps pick in llama.cpp's graph once this reply will not need the target's
-        logits again. A switch re-plans llama.cpp's graph, so it never flips back and forth
-        between rounds."""
-        self.target.greedy_on_device(self.device_greedy and not drafting and self._settled())
+    def settle_sampler(self) -> None:
+        """Before the prompt: let plain steps pick in llama.cpp's graph when this reply will never
+        need the target's logits. Only here: a switch makes llama.cpp build its scheduler anew,
+        with new compute buffers, so on a GPU every batch shape runs uncaptured and is captured
+        again. Switched mid-reply, once the governor gave up on the draft, that cost the 1.5B
+        target 5.5% of a 128-token reply on an H200 (docs/BENCHMARKS.md)."""
+        self.target.greedy_on_device(self.device_greedy and self._settled())
 
     def _plain(self, args: dict, remaining: int) -> dict:
         steps = self._plain_steps(remaining)
@@ -173,7 +178,6 @@ class Speculator:
             keep = self.cfg.draft.shared_prefix(self.target.tokens)  # once per round: O(context)
             k, why = self._choose("model", None, remaining, lag=len(self.target.tokens) - keep)
             self._pending = ("model", k, why)
-            self.settle_sampler(drafting=k > 0)
             if k > 0:
                 self._land()
                 feed, n_past = self._prepare_draft(last, keep)
