@@ -456,6 +456,9 @@ def cmd_specprobe(args) -> dict:
 
 
 def cmd_spec(args) -> dict:
+    """Plain against speculative `edgerun run` processes (chat template, T=0, GEN tokens), in
+    interleaved pairs: a host CPU whose speed drifts within the minute moves both sides of a pair
+    alike. The ratio printed is the median of the pairs' ratios."""
     results = {}
     scenarios = {
         "gpu_target_gpu_draft": ["--gpu-layers", "auto"],
@@ -464,16 +467,23 @@ def cmd_spec(args) -> dict:
     for label, place in scenarios.items():
         if args.scenarios and label not in args.scenarios:
             continue
-        plain = edgerun_run(args.target, *place, "--draft", "none", raw=False, reps=args.reps)
-        spec = edgerun_run(args.target, *place, "--draft", str(args.draft), raw=False, reps=args.reps)
-        ratio = spec["decode_tok_s"] / plain["decode_tok_s"]
-        results[label] = {"plain": plain["decode_tok_s"], "spec": spec["decode_tok_s"], "ratio": ratio,
-                          "acceptance_rate": spec.get("acceptance_rate"), "mean_accepted_len": spec.get("mean_accepted_len"),
-                          "spec_k": spec.get("spec_k"), "governor": spec.get("governor")}
-        print(f"{label}: plain {plain['decode_tok_s']:.1f} tok/s, speculative {spec['decode_tok_s']:.1f} tok/s,"
-              f" ratio {ratio:.3f}; acceptance {spec.get('acceptance_rate') or 0:.0%}, mean run"
-              f" {spec.get('mean_accepted_len') or 0:.2f}, last k {spec.get('spec_k')}; governor: {spec.get('governor')}",
-              flush=True)
+        pairs = []
+        for _ in range(args.reps):
+            plain = edgerun_run(args.target, *place, "--draft", "none", raw=False, reps=1)
+            spec = edgerun_run(args.target, *place, "--draft", str(args.draft), raw=False, reps=1)
+            pairs.append((plain, spec))
+        ratios = [s["decode_tok_s"] / p["decode_tok_s"] for p, s in pairs]
+        plain_tok_s = statistics.median(p["decode_tok_s"] for p, _ in pairs)
+        spec_tok_s = statistics.median(s["decode_tok_s"] for _, s in pairs)
+        last = pairs[-1][1]
+        results[label] = {"plain": plain_tok_s, "spec": spec_tok_s, "ratio": statistics.median(ratios),
+                          "pair_ratios": ratios, "acceptance_rate": last.get("acceptance_rate"),
+                          "mean_accepted_len": last.get("mean_accepted_len"), "spec_k": last.get("spec_k"),
+                          "governor": last.get("governor")}
+        print(f"{label}: plain {plain_tok_s:.1f} tok/s, speculative {spec_tok_s:.1f} tok/s, ratio"
+              f" {statistics.median(ratios):.3f} (pairs: {' '.join(f'{r:.3f}' for r in ratios)}); last run:"
+              f" acceptance {last.get('acceptance_rate') or 0:.0%}, mean run {last.get('mean_accepted_len') or 0:.2f},"
+              f" k {last.get('spec_k')}; governor: {last.get('governor')}", flush=True)
     return results
 
 
@@ -502,7 +512,7 @@ def main() -> None:
         p.add_argument("target", type=Path)
         p.add_argument("draft", type=Path)
         p.add_argument("--threads", type=int, default=16)
-        p.add_argument("--reps", type=int, default=2)
+        p.add_argument("--reps", type=int, default=3, help="spec: interleaved plain/speculative pairs")
         p.add_argument("--scenarios", nargs="+", choices=["gpu_target_gpu_draft", "cpu_target_gpu_draft"],
                        help="spec: run only these")
     ap.add_argument("--json", type=Path, help="also write the results here")
