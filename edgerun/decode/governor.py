@@ -81,7 +81,9 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
     plain = rate(state, 0)
     if plain is None:
         return 0, "measuring plain decoding"
-    why = given_up(state, k_cap)
+    measured = _draft_measured(state)
+    best_k, best = _best(state, k_cap, plain) if measured else (0, plain)
+    why = _off_for_good(state, k_cap, plain, best_k) if measured else None
     if why:
         return 0, why
     if state.plain_from_load:
@@ -89,9 +91,8 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
         # vs 1.8 ms in a reply). Drafting never times a plain step, so one wrong number there
         # would keep a losing draft on for the whole session: time one real step first.
         return 0, "timing a plain step"
-    if not _draft_measured(state):
+    if not measured:
         return min(2, k_cap), "measuring the draft"
-    best_k, best = _best(state, k_cap, plain)
     if best_k == 0 and state.plain_rounds >= state.probe_every:
         return 1, f"re-checking the draft (plain wins: {plain:.1f} tok/s)"
     if best_k == 0:
@@ -102,8 +103,7 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
         if cost >= win:
             return 0, (f"draft off: catching up {lag} tokens costs {cost:.2f} s, more than k={best_k}"
                        f" would win in the {horizon} tokens left ({win:.2f} s)")
-    measured = dict(state.verify_s)
-    if best_k < k_cap and best_k + 2 not in measured:
+    if best_k < k_cap and best_k + 2 not in dict(state.verify_s):
         # the cost of a longer draft is only extrapolated so far: measure it once
         return best_k + 1, f"trying k={best_k + 1} (k={best_k} expected {best:.1f} vs plain {plain:.1f} tok/s)"
     return best_k, f"k={best_k}: {best:.1f} vs plain {plain:.1f} tok/s expected (acceptance {state.alpha:.0%})"
@@ -117,7 +117,14 @@ def given_up(state: GovernorState, k_cap: int = K_MAX) -> str | None:
     gives up can decode plain to its end. A plain step timed at load is, if anything, too slow
     (noise only adds time), and that makes drafting look better: giving up on it is safe."""
     plain = rate(state, 0)
-    if plain is None or not _draft_measured(state) or _best(state, k_cap, plain)[0] > 0:
+    if plain is None or not _draft_measured(state):
+        return None
+    return _off_for_good(state, k_cap, plain, _best(state, k_cap, plain)[0])
+
+
+def _off_for_good(state: GovernorState, k_cap: int, plain: float, best_k: int) -> str | None:
+    """given_up, with the plain rate and the best k already computed."""
+    if best_k > 0:
         return None
     if hopeless(state, k_cap, plain):
         return f"draft off: even 100% acceptance cannot beat plain {plain:.1f} tok/s here"
