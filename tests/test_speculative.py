@@ -266,3 +266,24 @@ def test_a_draft_given_up_mid_reply_leaves_the_sampler_alone(small_model):
         assert rounds[0].decided == "timing a plain step" and "draft off" in rounds[-1].decided, rounds
         assert sum(x.drafted for x in rounds) == 0 and r.draft_ctx.n_past == 0
         assert [on for on, seen in switches if seen] == [] and not r.ctx.picks_on_device, switches
+
+
+def test_a_draft_given_up_stays_off_when_later_timings_favour_it(small_model):
+    """Given up before the prompt (the model as its own draft cannot win), the reply's sampler
+    picks in the graph (forced here), so no logits exist for a verify. If plain timings later in
+    the reply made the draft look good (here: its step made 100x cheaper mid-reply), drafting
+    must still stay off to the reply's end."""
+    with Runner(small_model, SETTINGS, draft=str(small_model)) as r:
+        plain, _, _ = _run(r.ctx, r.chat_tokens(_user(PROMPTS[1])), GREEDY, 32, SpecConfig())
+        forced = replace(r.spec, device_greedy=True)
+        records = []
+        for record in generate(r.ctx, r.chat_tokens(_user(PROMPTS[1])), GREEDY, max_tokens=32, spec=forced):
+            records.append(record)
+            if isinstance(record, Round) and sum(isinstance(x, Round) for x in records) == 1:
+                state = r.spec.governors["model"]
+                r.spec.governors["model"] = replace(state, alpha=0.99, draft_step_s=state.draft_step_s / 100)
+                assert governor.given_up(r.spec.governors["model"]) is None  # the draft now looks good
+        rounds = [x for x in records if isinstance(x, Round)]
+        assert [x.token for x in records if isinstance(x, Step)] == plain
+        assert sum(x.drafted for x in rounds) == 0 and r.draft_ctx.n_past == 0, [x.decided for x in rounds]
+        assert all("cannot beat plain" in x.decided for x in rounds)

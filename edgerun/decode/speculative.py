@@ -80,7 +80,7 @@ class Speculator:
             self.gov[name] = governor.new_reply(self.gov.get(name, fresh))
         self._pending: tuple[str, int, str] = ("none", 0, "")
         self._catch_up_s = 0.0
-        self._gave_up = False  # the governor ruled the model draft out for the rest of this reply
+        self._gave_up: str | None = None  # why the model draft is out for the rest of this reply
 
     def _choose(self, name: str, available: int | None, remaining: int | None = None,
                 lag: int = 0) -> tuple[int, str]:
@@ -109,15 +109,23 @@ class Speculator:
             self.gov["model"] = governor.caught_up(self.gov["model"], lag, self._catch_up_s)
         return self.target.tokens[keep:] + [last], keep
 
+    def _draft_given_up(self) -> bool:
+        """The governor ruled the governed model draft out (governor.given_up). That holds to the
+        reply's end: later plain timings move the costs a little, and a draft switched back on
+        after the sampler settled would find no logits."""
+        if self._gave_up is None and self.cfg.draft is not None and self.cfg.k is None:
+            self._gave_up = governor.given_up(self.gov["model"])
+        return self._gave_up is not None
+
     def _until_probe(self) -> int | None:
         """Plain tokens until the governor re-checks the model draft; 0 or less: a re-check is due,
-        or the governor gave up on the draft for this reply (governor.given_up: the costs alone
-        rule it out, which holds to the reply's end); None: no governed model draft."""
+        or the draft is given up for this reply; None: no governed model draft."""
         if self.cfg.draft is None or self.cfg.k is not None:
             return None
+        if self._draft_given_up():
+            return 0
         state = self.gov["model"]
-        self._gave_up = self._gave_up or governor.given_up(state) is not None
-        return 0 if self._gave_up else state.probe_every - state.plain_rounds
+        return state.probe_every - state.plain_rounds
 
     def _plain_steps(self, remaining: int) -> int:
         """How many plain tokens one native call may decode: one while an n-gram match could start
@@ -175,6 +183,9 @@ class Speculator:
                 k, why = self._choose("ngram", len(proposals))
                 self._pending = ("ngram", k, why)
                 return args | dict(k=k, proposals=proposals[:k])
+        if self._draft_given_up():
+            self._pending = ("model", 0, self._gave_up)
+            return self._plain(args, remaining)
         if self.cfg.draft is not None:
             keep = self.cfg.draft.shared_prefix(self.target.tokens)  # once per round: O(context)
             k, why = self._choose("model", None, remaining, lag=len(self.target.tokens) - keep)
