@@ -191,8 +191,8 @@ def cmd_throughput(args) -> dict:
     its tg128 (generation from an empty context, after a warm-up), and its tg128 right after a
     prompt of the same length (-d, one rep per process), which is what a reply is. With upstream
     ggml-cuda the first steps after a prompt's batch re-capture the single-token CUDA graph;
-    setup.sh's patch (scripts/llama_patches.py) keys captured graphs by shape. --graph-key-ab adds, to every row, `edgerun run` and llama-bench -d
-    with the upstream key (EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE), side by side."""
+    setup.sh's patch (scripts/llama_patches.py) keys captured graphs by shape. --graph-key-ab
+    adds, to every row, `edgerun run` and llama-bench -d with the upstream key (EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE), side by side."""
     bw = copy_bandwidth()
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     upstream_key = os.environ | {"EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE": "1"}
@@ -205,14 +205,15 @@ def cmd_throughput(args) -> dict:
         for _ in range(args.pairs):
             run = edgerun_run(model, "--gpu-layers", "auto", reps=1)
             depth = run["prompt_tokens"]
-            row = {"ours": run["decode_tok_s"], "tg": llama_bench(args.llama_bench, model, ngl=99),
-                   "d": _llama_bench_depth(args.llama_bench, model, depth, ngl=99, threads=None, runs=1)}
+            run_ours = lambda **kw: edgerun_run(model, "--gpu-layers", "auto", reps=1, **kw)["decode_tok_s"]  # noqa: E731
+            bench_at_depth = lambda **kw: _llama_bench_depth(args.llama_bench, model, depth, ngl=99,  # noqa: E731
+                                                             threads=None, runs=1, **kw)
+            row = {"ours": run["decode_tok_s"], "tg": llama_bench(args.llama_bench, model, ngl=99), "d": bench_at_depth()}
             if args.short_prompt:
-                row["ours one-token prompt"] = edgerun_run(model, "--gpu-layers", "auto", reps=1, prompt="H")["decode_tok_s"]
+                row["ours one-token prompt"] = run_ours(prompt="H")
             if args.graph_key_ab:
-                row["ours upstream key"] = edgerun_run(model, "--gpu-layers", "auto", reps=1, env=upstream_key)["decode_tok_s"]
-                row["d upstream key"] = _llama_bench_depth(args.llama_bench, model, depth, ngl=99, threads=None, runs=1,
-                                                           env=upstream_key)
+                row["ours upstream key"] = run_ours(env=upstream_key)
+                row["d upstream key"] = bench_at_depth(env=upstream_key)
             rows.append(row)
         med = lambda f: statistics.median(f(r) for r in rows)  # noqa: E731
         ours, tg, after = med(lambda r: r["ours"]), med(lambda r: r["tg"]), med(lambda r: r["d"])
@@ -227,7 +228,8 @@ def cmd_throughput(args) -> dict:
               f" {size / 1e9:.2f} GB x {ours:.0f}/s = {size * ours / 1e12:.2f} TB/s, {size * ours / bw:.0%} of the copy rate",
               flush=True)
         if args.short_prompt:
-            short, vs_tg_short = med(lambda r: r["ours one-token prompt"]), med(lambda r: r["ours one-token prompt"] / r["tg"])
+            short = med(lambda r: r["ours one-token prompt"])
+            vs_tg_short = med(lambda r: r["ours one-token prompt"] / r["tg"])
             results[name] |= {"edgerun_one_token_prompt": short, "ratio_one_token_prompt_vs_tg": vs_tg_short}
             print(f"{name}: edgerun run after a one-token prompt (tg{GEN}'s workload) {short:.1f} tok/s,"
                   f" median paired ratio to tg{GEN} {vs_tg_short:.3f}", flush=True)
@@ -473,15 +475,16 @@ def cmd_spec(args) -> dict:
             spec = edgerun_run(args.target, *place, "--draft", str(args.draft), raw=False, reps=1)
             pairs.append((plain, spec))
         ratios = [s["decode_tok_s"] / p["decode_tok_s"] for p, s in pairs]
+        ratio = statistics.median(ratios)
         plain_tok_s = statistics.median(p["decode_tok_s"] for p, _ in pairs)
         spec_tok_s = statistics.median(s["decode_tok_s"] for _, s in pairs)
         last = pairs[-1][1]
-        results[label] = {"plain": plain_tok_s, "spec": spec_tok_s, "ratio": statistics.median(ratios),
+        results[label] = {"plain": plain_tok_s, "spec": spec_tok_s, "ratio": ratio,
                           "pair_ratios": ratios, "acceptance_rate": last.get("acceptance_rate"),
                           "mean_accepted_len": last.get("mean_accepted_len"), "spec_k": last.get("spec_k"),
                           "governor": last.get("governor")}
         print(f"{label}: plain {plain_tok_s:.1f} tok/s, speculative {spec_tok_s:.1f} tok/s, ratio"
-              f" {statistics.median(ratios):.3f} (pairs: {' '.join(f'{r:.3f}' for r in ratios)}); last run:"
+              f" {ratio:.3f} (pairs: {' '.join(f'{r:.3f}' for r in ratios)}); last run:"
               f" acceptance {last.get('acceptance_rate') or 0:.0%}, mean run {last.get('mean_accepted_len') or 0:.2f},"
               f" k {last.get('spec_k')}; governor: {last.get('governor')}", flush=True)
     return results
