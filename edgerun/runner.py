@@ -115,9 +115,10 @@ class Runner:
             self.ctx = self._own(Context(self.model, self.settings))
             self.draft_ctx = None
             if self.draft_path:
-                layers = self.plan.draft.gpu_layers if self.plan.draft else 0
-                self.draft_model = self._own(Model(self.draft_path, n_gpu_layers=layers, info=self.draft_info))
-                self.draft_ctx = self._own(Context(self.draft_model, self.settings))
+                where = self.plan.draft  # placement_for plans a draft whenever it is given one
+                self.draft_model = self._own(Model(self.draft_path, n_gpu_layers=where.gpu_layers, info=self.draft_info))
+                threads = placement.draft_threads(where, self.settings.n_threads)
+                self.draft_ctx = self._own(Context(self.draft_model, self.settings.replace(n_threads=threads)))
         except Exception:
             self.close()
             raise

@@ -10,6 +10,8 @@
   bench_gpu.py gap DIR --llama-bench BIN          edgerun's decode path vs llama-bench, one variable at a time
   bench_gpu.py spec TARGET DRAFT           the real pair: plain vs speculative, GPU and CPU+GPU
   bench_gpu.py specprobe TARGET DRAFT      where a speculative round's time goes, both on the GPU
+      [--cpu-target] [--draft-threads 16 1]   ... the target on the CPU; the governor's reply with
+                                              the draft computing on these CPU thread counts
 
 Decode speed does not depend on weight values, so throughput uses random weights with the real
 shapes; acceptance does, so `spec` needs the real models. Every edgerun number comes from the
@@ -433,9 +435,15 @@ def cmd_specprobe(args) -> dict:
     from edgerun.runner import Runner
     from edgerun.settings import EngineSettings, SamplerSettings
 
+    import llama_cpp
+
     greedy = SamplerSettings(temperature=0.0)
     results = {}
-    with Runner(args.target, EngineSettings(n_ctx=4096), draft=str(args.draft)) as r:
+    settings = EngineSettings(n_ctx=4096)
+    if args.cpu_target:
+        settings = settings.replace(gpu_layers="0", n_threads=args.threads)
+    with Runner(args.target, settings, draft=str(args.draft)) as r:
+        print(f"placement: {r.plan.target.gpu_layers} target layers on the GPU, threads {settings.n_threads}", flush=True)
         state = r.spec.governors["model"]
         print("load-time costs (ms): draft step %.3f, verify %s" % (
             state.draft_step_s * 1e3, " ".join(f"{n}:{t * 1e3:.2f}" for n, t in state.verify_s)), flush=True)
@@ -454,6 +462,16 @@ def cmd_specprobe(args) -> dict:
             print(f"{label}: {s.decode_tok_s:.1f} tok/s ({s.decode_tok_s / plain:.3f}), acceptance {s.acceptance_rate:.0%},"
                   f" {s.rounds} rounds, per round draft {per(s.draft_s):.2f} ms verify {per(s.verify_s):.2f} ms,"
                   f" host {over:.1%} [{s.governor}]", flush=True)
+        # the draft's CPU threads (its graph's CPU part: the token embedding lookup), in turns
+        for turn in range(3 if args.draft_threads else 0):
+            for n in args.draft_threads:
+                llama_cpp.llama_set_n_threads(r.draft_ctx.ptr, n, n)
+                s, over = run_once(r, PROMPT, greedy, GEN, r.spec)
+                per = lambda x: x / max(s.rounds, 1) * 1e3
+                results.setdefault(f"draft threads {n}", []).append(s.decode_tok_s)
+                print(f"draft threads {n}, turn {turn}: {s.decode_tok_s:.1f} tok/s ({s.decode_tok_s / plain:.3f}),"
+                      f" {s.rounds} rounds, per round draft {per(s.draft_s):.2f} ms verify {per(s.verify_s):.2f} ms,"
+                      f" host {over:.1%} [{s.governor}]", flush=True)
     return results
 
 
@@ -518,6 +536,9 @@ def main() -> None:
         p.add_argument("--reps", type=int, default=3, help="spec: interleaved plain/speculative pairs")
         p.add_argument("--scenarios", nargs="+", choices=["gpu_target_gpu_draft", "cpu_target_gpu_draft"],
                        help="spec: run only these")
+        p.add_argument("--cpu-target", action="store_true", help="specprobe: the target on the CPU (--threads)")
+        p.add_argument("--draft-threads", type=int, nargs="*", default=[],
+                       help="specprobe: then the governor's reply with the draft on each of these CPU thread counts")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     out = {"shapes": cmd_shapes, "throughput": cmd_throughput, "offload": cmd_offload, "probe": cmd_probe, "gap": cmd_gap,

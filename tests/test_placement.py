@@ -166,6 +166,18 @@ def test_cpu_target_still_gets_a_gpu_draft():
     assert p.target.gpu_layers == 0 and p.draft.gpu_layers == d.n_layers + 1
 
 
+def test_a_draft_all_on_the_gpu_computes_on_one_cpu_thread():
+    """Its step's CPU part is one embedding row: waking every thread for it cost CPU-target
+    replies 7% on the H200 host. A draft partly or wholly on the CPU keeps every thread."""
+    t, d = fp(), fp(layers=(GiB // 40,) * 24, compute=GiB // 8)
+    on_gpu = auto(t, d, vram=8 * GiB, requested="0").draft
+    on_cpu = auto(t, d, vram=GiB // 100, requested="0").draft
+    assert on_gpu.all_on_gpu and placement.draft_threads(on_gpu, 16) == 1
+    assert not on_cpu.all_on_gpu and placement.draft_threads(on_cpu, 16) == 16
+    part = placement.split(d, d.n_layers)  # every block but not the output head
+    assert not part.all_on_gpu and placement.draft_threads(part, 16) == 16
+
+
 def test_vram_cap_limits_the_plan(small_model):
     info = inspect(small_model)
     memory = devices.Memory(free_ram=PLENTY, free_vram=80 * GiB, gpu=True)

@@ -190,6 +190,19 @@ def test_rejection_rule_accepts_more_than_sample_and_compare(target_model, small
     assert rates["rejection"] > rates["match"]
 
 
+def test_the_draft_context_gets_the_threads_its_placement_calls_for(small_model):
+    """llama.cpp's own count read back from the draft's context: every thread for a draft on the
+    CPU, one for a draft all on the GPU (placement.draft_threads), the target keeps its count."""
+    import llama_cpp
+
+    settings = SETTINGS.replace(n_threads=2, gpu_layers="auto")
+    with Runner(small_model, settings, draft=str(small_model), spec_k=2) as r:
+        expected = 1 if r.plan.draft.all_on_gpu else 2
+        assert llama_cpp.llama_n_threads(r.draft_ctx.ptr) == expected, r.plan.draft
+        assert llama_cpp.llama_n_threads_batch(r.draft_ctx.ptr) == expected
+        assert llama_cpp.llama_n_threads(r.ctx.ptr) == 2
+
+
 def test_an_ngram_runner_knows_its_costs_before_the_first_reply(small_model):
     """With --ngram the runner times every verify batch at load: the first match is drafted at
     the length the costs favour, not spent on measuring rounds."""

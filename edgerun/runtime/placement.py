@@ -52,10 +52,14 @@ class Split:
     def blocks_on_gpu(self) -> int:
         return min(self.gpu_layers, self.n_layers)
 
+    @property
+    def all_on_gpu(self) -> bool:
+        return self.gpu_layers > self.n_layers
+
     def describe(self) -> str:
         if self.gpu_layers == 0:
             return f"all on CPU ({self.cpu_bytes / GiB:.2f} GiB RAM)"
-        where = "all on GPU" if self.gpu_layers > self.n_layers else f"{self.blocks_on_gpu}/{self.n_layers} layers on GPU"
+        where = "all on GPU" if self.all_on_gpu else f"{self.blocks_on_gpu}/{self.n_layers} layers on GPU"
         return f"{where} ({self.gpu_bytes / GiB:.2f} GiB VRAM, {self.cpu_bytes / GiB:.2f} GiB RAM)"
 
 
@@ -141,6 +145,13 @@ def plan(
         result = Plan(tsplit, dsplit, "; ".join(x for x in (f"{min(n, target.n_layers)} target layers on GPU as asked", note) if x))
     _check_ram(result, free_ram)
     return result
+
+
+def draft_threads(draft: Split, n_threads: int) -> int:
+    """CPU threads for the draft's context. All on the GPU, a draft step's CPU part is one row of
+    token embeddings, and spreading that over every thread wakes them all each step: with the
+    target on 16 CPU threads that cost replies 7% (docs/BENCHMARKS.md, eighth GPU session)."""
+    return 1 if draft.all_on_gpu else n_threads
 
 
 def _draft_first(draft: Footprint | None, budget: int) -> tuple[Split | None, str]:
