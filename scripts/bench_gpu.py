@@ -425,17 +425,18 @@ def cmd_gap(args) -> dict:
               flush=True)
     return results
 
+
 def cmd_specprobe(args) -> dict:
-    """Where a speculative round's time goes with target and draft on the GPU (real pair, T=0, one
-    process): fixed k, the draft fed in one batch or token by token (stable shapes), with and
-    without the draft's confidence stop; then the governor's own choice."""
+    """Where a speculative round's time goes with target and draft on the GPU, or the target on the
+    CPU with --cpu-target (real pair, T=0, one process): fixed k, the draft fed in one batch or token
+    by token (stable shapes), with and without the draft's confidence stop; then the governor's own
+    choice, and with --draft-threads that reply with the draft's context on each thread count."""
+    import llama_cpp
     from bench_spec import run_once
 
     from edgerun.decode.speculative import SpecConfig
     from edgerun.runner import Runner
     from edgerun.settings import EngineSettings, SamplerSettings
-
-    import llama_cpp
 
     greedy = SamplerSettings(temperature=0.0)
     results = {}
@@ -454,24 +455,23 @@ def cmd_specprobe(args) -> dict:
         configs = [(f"k={k} stable={stable} p_min={p_min}", SpecConfig(draft=r.draft_ctx, k=k, p_min=p_min, stable_shapes=stable))
                    for stable in (False, True) for p_min in (0.2, 0.0) for k in (3, 5, 7)]
         configs.append(("governor", r.spec))
-        for label, spec in configs:
+
+        def row(label: str, spec: SpecConfig) -> dict:
             s, over = run_once(r, PROMPT, greedy, GEN, spec)
             per = lambda x: x / max(s.rounds, 1) * 1e3
-            results[label] = {"tok_s": s.decode_tok_s, "ratio": s.decode_tok_s / plain, "acceptance": s.acceptance_rate,
-                              "rounds": s.rounds, "draft_ms": per(s.draft_s), "verify_ms": per(s.verify_s), "host": over}
             print(f"{label}: {s.decode_tok_s:.1f} tok/s ({s.decode_tok_s / plain:.3f}), acceptance {s.acceptance_rate:.0%},"
                   f" {s.rounds} rounds, per round draft {per(s.draft_s):.2f} ms verify {per(s.verify_s):.2f} ms,"
                   f" host {over:.1%} [{s.governor}]", flush=True)
+            return {"tok_s": s.decode_tok_s, "ratio": s.decode_tok_s / plain, "acceptance": s.acceptance_rate,
+                    "rounds": s.rounds, "draft_ms": per(s.draft_s), "verify_ms": per(s.verify_s), "host": over}
+
+        for label, spec in configs:
+            results[label] = row(label, spec)
         # the draft's CPU threads (its graph's CPU part: the token embedding lookup), in turns
         for turn in range(3 if args.draft_threads else 0):
             for n in args.draft_threads:
                 llama_cpp.llama_set_n_threads(r.draft_ctx.ptr, n, n)
-                s, over = run_once(r, PROMPT, greedy, GEN, r.spec)
-                per = lambda x: x / max(s.rounds, 1) * 1e3
-                results.setdefault(f"draft threads {n}", []).append(s.decode_tok_s)
-                print(f"draft threads {n}, turn {turn}: {s.decode_tok_s:.1f} tok/s ({s.decode_tok_s / plain:.3f}),"
-                      f" {s.rounds} rounds, per round draft {per(s.draft_s):.2f} ms verify {per(s.verify_s):.2f} ms,"
-                      f" host {over:.1%} [{s.governor}]", flush=True)
+                results.setdefault(f"draft threads {n}", []).append(row(f"draft threads {n}, turn {turn}", r.spec))
     return results
 
 
