@@ -109,20 +109,20 @@ class Speculator:
             self.gov["model"] = governor.caught_up(self.gov["model"], lag, self._catch_up_s)
         return self.target.tokens[keep:] + [last], keep
 
-    def _draft_given_up(self) -> bool:
-        """The governor ruled the governed model draft out (governor.given_up). That holds to the
-        reply's end: later plain timings move the costs a little, and a draft switched back on
-        after the sampler settled would find no logits."""
+    def _check_given_up(self) -> None:
+        """Ask whether the governor rules the governed model draft out (governor.given_up): before
+        the prompt, and after a round's choice drafted nothing (a give-up means k=0; the costs move
+        only between rounds). A give-up holds to the reply's end: later plain timings move the
+        costs a little, and a draft switched back on after the sampler settled would find no logits."""
         if self._gave_up is None and self.cfg.draft is not None and self.cfg.k is None:
             self._gave_up = governor.given_up(self.gov["model"])
-        return self._gave_up is not None
 
     def _until_probe(self) -> int | None:
         """Plain tokens until the governor re-checks the model draft; 0 or less: a re-check is due,
         or the draft is given up for this reply; None: no governed model draft."""
         if self.cfg.draft is None or self.cfg.k is not None:
             return None
-        if self._draft_given_up():
+        if self._gave_up is not None:
             return 0
         state = self.gov["model"]
         return state.probe_every - state.plain_rounds
@@ -150,6 +150,7 @@ class Speculator:
         again. On an H200 with the 1.5B + 0.5B pair, a reply that switched mid-reply (once the
         governor gave up on the draft) ran at 0.935 of plain; settling before the prompt gave
         0.972 and 0.975 (docs/BENCHMARKS.md)."""
+        self._check_given_up()
         self.target.greedy_on_device(self.device_greedy and self._settled())
 
     def _plain(self, args: dict, remaining: int) -> dict:
@@ -183,7 +184,7 @@ class Speculator:
                 k, why = self._choose("ngram", len(proposals))
                 self._pending = ("ngram", k, why)
                 return args | dict(k=k, proposals=proposals[:k])
-        if self._draft_given_up():
+        if self._gave_up is not None:
             self._pending = ("model", 0, self._gave_up)
             return self._plain(args, remaining)
         if self.cfg.draft is not None:
@@ -195,6 +196,7 @@ class Speculator:
                 feed, n_past = self._prepare_draft(last, keep)
                 return args | dict(k=k, draft=self.cfg.draft.address, draft_feed=feed, draft_n_past=n_past,
                                    stable_shapes=self.stable_shapes)
+            self._check_given_up()  # only a round that drafts nothing can be the one that gives up
             return self._plain(args, remaining)
         self._pending = ("none", 0, "no drafter")
         return self._plain(args, remaining)
