@@ -468,7 +468,7 @@ def cmd_specprobe(args) -> dict:
         for label, spec in configs:
             results[label] = row(label, spec)
         # the draft's CPU threads (its graph's CPU part: the token embedding lookup), in turns
-        for turn in range(3 if args.draft_threads else 0):
+        for turn in range(3):
             for n in args.draft_threads:
                 llama_cpp.llama_set_n_threads(r.draft_ctx.ptr, n, n)
                 results.setdefault(f"draft threads {n}", []).append(row(f"draft threads {n}, turn {turn}", r.spec))
