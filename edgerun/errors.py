@@ -50,6 +50,11 @@ class HistoryError(EdgerunError):
     """The conversation history database cannot be opened, read or written."""
 
 
+class HistoryUnreadable(HistoryError):
+    """A history file that is damaged or is not an edgerun history (another program's database,
+    not a database at all): moving it aside lets edgerun start a new one."""
+
+
 class ConvertError(EdgerunError):
     """A model that edgerun convert cannot read, plan or write (unsupported architecture, pickled
     weights, a budget no plan fits)."""
