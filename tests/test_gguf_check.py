@@ -431,7 +431,7 @@ def test_per_layer_head_counts_are_accepted(tmp_path):
     """llama.cpp takes per-layer arrays for head counts (OpenELM, DeciLM, Jamba): not malformed."""
     path = write_gguf(tmp_path / "per-layer.gguf", override={
         "llama.attention.head_count": ([N_HEAD, N_HEAD], VT.ARRAY, VT.INT32),
-        "llama.attention.head_count_kv": ([N_HEAD_KV, 0], VT.ARRAY, VT.INT32),
+        "llama.attention.head_count_kv": ([N_HEAD_KV, N_HEAD_KV // 2], VT.ARRAY, VT.INT32),
     })
     info = inspect(path)
     assert info.n_layers == 2 and info.n_head_kv >= 1

@@ -7,8 +7,10 @@ so only well-formed files reach native code."""
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -21,15 +23,15 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, MODEL_ARCH_NAMES
 
 from edgerun import paths
 from edgerun.errors import InvalidModelFile, ModelNotFound
+from edgerun.models import gguf_hparams
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 KNOWN_ARCHS = frozenset(MODEL_ARCH_NAMES.values())
 _MAX_DIMS = 4
 _MAX_NAME = 63  # llama.cpp keeps tensor names in 64-byte buffers (GGML_MAX_NAME)
-# Caps far above any real model, so a hostile count is refused before gguf-py loops over it:
-# gguf-py spends ~20 us and ~1 KB per metadata array item, so 4M items (the largest vocabularies
-# carry ~1M across tokens, scores, types and merges) already cost a minute and a few GB.
+# Caps far above any real model, so a hostile count is refused before anything loops over it
+# (the largest vocabularies carry ~1M array items across tokens, scores, types and merges).
 _MAX_TENSORS = 1 << 16
 _MAX_KEYS = 1 << 16
 _MAX_ARRAY_ITEMS = 1 << 22
@@ -85,13 +87,16 @@ class _PastEnd(ValueError):
 
 
 class _BoundedReader(GGUFReader):
-    """gguf-py's reader, stopped at the first read past the end of the file.
+    """gguf-py's reader, stopped at the first read past the end of the file, and quick on arrays.
 
     gguf-py reads through numpy slices of a memmap, which silently come back short at the end of
     the file: a truncated file then parses on into garbage, and an array that claims 2**64 items
     loops on empty reads forever, growing a list each time. Here a short read is an error, and an
     array may claim no more items than the bytes left could hold, nor more than _MAX_ARRAY_ITEMS
-    in all. Hooks gguf-py's private _get/_get_field_parts, so gguf stays pinned in pyproject."""
+    in all. gguf-py also parses an array item by item (~20 us and ~1 KB each), so a 4 MB file of
+    tiny items would take a minute; here an array is one part: a numpy view of its values, or for
+    strings an (n, 2) array of each string's (start, length) in the file. Hooks gguf-py's private
+    _get/_get_field_parts, so gguf stays pinned in pyproject."""
 
     def __init__(self, path: Path):
         self._array_items = 0
@@ -104,29 +109,55 @@ class _BoundedReader(GGUFReader):
         return super()._get(offset, dtype, count, override_order)
 
     def _get_field_parts(self, orig_offs, raw_type):
-        if raw_type == GGUFValueType.ARRAY:
-            item_type = int(self._get(orig_offs, np.uint32)[0])
-            count = int(self._get(orig_offs + 4, np.uint64)[0])
-            left = len(self.data) - (orig_offs + 12)
-            self._array_items += count
-            if count * _min_item_bytes(item_type) > left:
-                raise ValueError(f"metadata array at byte {orig_offs} claims {count} items; {left} bytes are left")
-            if self._array_items > _MAX_ARRAY_ITEMS:
-                raise ValueError(f"metadata arrays claim over {_MAX_ARRAY_ITEMS} items, more than any real model")
-        return super()._get_field_parts(orig_offs, raw_type)
+        if raw_type != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        item_type, count, start = int(raw_itype[0]), int(alen[0]), orig_offs + 12
+        left = len(self.data) - start
+        self._array_items += count
+        if count * _min_item_bytes(item_type) > left:
+            raise ValueError(f"metadata array at byte {orig_offs} claims {count} items; {left} bytes are left")
+        if self._array_items > _MAX_ARRAY_ITEMS:
+            raise ValueError(f"metadata arrays claim over {_MAX_ARRAY_ITEMS} items, more than any real model")
+        vtype = GGUFValueType(item_type)
+        if vtype == GGUFValueType.STRING:
+            values, end = _string_spans(self.data, start, count)
+        else:
+            values = self._get(start, self.gguf_scalar_to_np[vtype], count)
+            end = start + values.nbytes
+        return end - orig_offs, [raw_itype, alen, values], [2], [GGUFValueType.ARRAY, vtype]
+
+
+def _string_spans(data: np.ndarray, offs: int, count: int) -> tuple[np.ndarray, int]:
+    """Each of COUNT length-prefixed strings from OFFS: (start, length) rows, and where they end."""
+    spans = array.array("q")
+    size = len(data)
+    length_at = struct.Struct("<Q").unpack_from
+    buf = memoryview(data)
+    for _ in range(count):
+        if offs + 8 > size:
+            raise _PastEnd(f"needs bytes up to {offs + 8}, the file has {size}")
+        (n,) = length_at(buf, offs)
+        offs += 8
+        if n > size - offs:
+            raise _PastEnd(f"a string of {n} bytes at {offs} runs past the end ({size})")
+        spans.append(offs)
+        spans.append(n)
+        offs += n
+    return np.frombuffer(spans, dtype=np.int64).reshape(-1, 2), offs
 
 
 def _min_item_bytes(item_type: int) -> int:
-    """The fewest bytes one array item of this type takes (a string: its length; an array: its
-    type and count)."""
+    """The fewest bytes one array item of this type takes (a string: its length field)."""
     try:
         vtype = GGUFValueType(item_type)
     except ValueError:
         raise ValueError(f"unknown metadata array item type {item_type}") from None
+    if vtype == GGUFValueType.ARRAY:
+        raise ValueError("a metadata array of arrays (llama.cpp reads none)")
     if vtype == GGUFValueType.STRING:
         return 8
-    if vtype == GGUFValueType.ARRAY:
-        return 12
     return np.dtype(GGUFReader.gguf_scalar_to_np[vtype]).itemsize
 
 
@@ -194,7 +225,7 @@ def _text(path: Path, reader: GGUFReader, key: str) -> str | None:
 
 def _array_len(reader: GGUFReader, key: str) -> int:
     f = reader.fields.get(key)
-    return len(f.data) if f is not None else 0
+    return len(f.parts[f.data[0]]) if f is not None and f.types[0] == GGUFValueType.ARRAY else 0
 
 
 def _tensor_bytes(tensor) -> int:
@@ -255,6 +286,10 @@ def _parse(path: Path, size: int) -> GGUFInfo:
         layer_bytes, other = _check_tensors(path, reader, size)
     except (KeyError, ValueError) as exc:
         raise _fail(path, f"corrupt tensor table ({exc})") from None
+    try:
+        gguf_hparams.check(reader, arch)
+    except gguf_hparams.Refused as exc:
+        raise _fail(path, str(exc)) from None
     n_layers = _count(path, reader, f"{arch}.block_count", len(layer_bytes))
     n_head = _count(path, reader, f"{arch}.attention.head_count", 1, per_layer=True) or 1
     n_embd = _count(path, reader, f"{arch}.embedding_length", 0)
@@ -294,7 +329,16 @@ def _parse(path: Path, size: int) -> GGUFInfo:
     )
 
 
-_MEMO_VERSION = 2  # bump when GGUFInfo gains a field
+def _rules_version() -> str:
+    """A remembered result is only as good as the rules that produced it: the memo is keyed by
+    the validator's own source (this module and gguf_hparams) and the gguf-py that parses."""
+    h = hashlib.sha256(importlib.metadata.version("gguf").encode())
+    for module in (__file__, gguf_hparams.__file__):
+        h.update(Path(module).read_bytes())
+    return h.hexdigest()[:16]
+
+
+_MEMO_VERSION = _rules_version()
 
 
 def _structure_hash(path: Path, data_offset: int) -> str:
