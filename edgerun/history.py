@@ -1,10 +1,14 @@
 """Conversations kept in SQLite. A reply is written as it streams, so a crash loses nothing that
-was shown; `recover()` on the next start marks such replies 'interrupted'."""
+was shown; `recover()` on the next start marks such replies 'interrupted', and only those whose
+writer is gone: two chat apps may share one history."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import os
+import secrets
 import sqlite3
 import threading
 import time
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgerun import paths
-from edgerun.errors import HistoryError
+from edgerun.errors import HistoryError, HistoryUnreadable
 
 STATUSES = ("done", "streaming", "stopped", "interrupted")
 FINAL_STATUSES = ("done", "stopped", "interrupted")
@@ -33,7 +37,15 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = ((
      " stats TEXT, created REAL NOT NULL)"),
     # the cascade, the counts and the per-conversation reads all find messages by conversation
     "CREATE INDEX messages_by_conversation ON messages(conversation_id, id)",
+), (
+    # which History streams a reply (its _WriterLock token): recover() takes only replies whose
+    # writer is gone. NULL (rows from before this column) counts as gone.
+    "ALTER TABLE messages ADD COLUMN writer TEXT",
 ),)
+# What the code reads; a file at the current version without these is not an edgerun history.
+_COLUMNS = {"conversations": {"id", "title", "model", "draft", "system", "created", "updated"},
+            "messages": {"id", "conversation_id", "role", "content", "status", "stats", "created", "writer"}}
+_UNREADABLE = ("SQLITE_NOTADB", "SQLITE_CORRUPT")
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,9 @@ def title_from(text: str) -> str:
 
 def _explain(path: Path, e: sqlite3.DatabaseError) -> HistoryError:
     text = str(e)
+    if getattr(e, "sqlite_errorname", None) in _UNREADABLE:
+        return HistoryUnreadable(f"{path} is damaged or not a database ({text}); "
+                                 "move the file away and edgerun will start a new one")
     if isinstance(e, sqlite3.IntegrityError):
         return HistoryError(f"history refused a write ({text}); was the conversation deleted?")
     if "locked" in text or "busy" in text:
@@ -81,6 +96,24 @@ def _explain(path: Path, e: sqlite3.DatabaseError) -> HistoryError:
         return HistoryError(f"cannot write {path}: the disk is full; free some space and retry")
     return HistoryError(f"cannot use the history database {path} ({text}); "
                         "move the file away and edgerun will start a new one")
+
+
+def _unreadable(path: Path, why: str) -> HistoryUnreadable:
+    return HistoryUnreadable(f"{path} {why}; move the file away and edgerun will start a new one")
+
+
+def _tables(c: sqlite3.Connection) -> set[str]:
+    return {name for (name,) in c.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")}
+
+
+def _missing(c: sqlite3.Connection) -> list[str]:
+    """The tables and columns the code reads that the file lacks."""
+    missing = []
+    for table, columns in _COLUMNS.items():
+        have = {row[1] for row in c.execute(f"PRAGMA table_info({table})")}
+        missing += [table] if not have else [f"{table}.{column}" for column in sorted(columns - have)]
+    return missing
 
 
 @contextlib.contextmanager
@@ -111,22 +144,34 @@ class History:
                                          check_same_thread=False)
         try:
             self._setup()
+            self._writer = _WriterLock(self.path.with_name(self.path.name + ".writers"))
         except BaseException:
             self._conn.close()
             raise
 
     def _setup(self) -> None:
         with self._locked() as c:
-            # WAL + synchronous=NORMAL: a commit appends to the WAL without fsync, so a streamed
-            # chunk costs microseconds and survives the process dying (power loss may drop the
-            # last commits). This is also the first read, where a garbage file fails.
-            c.execute("PRAGMA journal_mode=WAL")
-            c.execute("PRAGMA synchronous=NORMAL")
-            c.execute("PRAGMA foreign_keys=ON")
+            # Only reads until the file is known to be ours (even the switch to WAL writes): the
+            # first read is where a garbage file fails, and quick_check reads every page (about
+            # 1 ms per MB), so damage shows now rather than in the middle of a chat.
+            problem = c.execute("PRAGMA quick_check(1)").fetchone()[0]
             version = c.execute("PRAGMA user_version").fetchone()[0]
+            tables = _tables(c)
+        if problem != "ok":
+            raise _unreadable(self.path, f"is damaged ({' '.join(problem.split())[:200]})")
+        if (tables and version == 0) or (version > 0 and not set(_COLUMNS) <= tables):
+            raise _unreadable(self.path, f"is not an edgerun history (schema {version}, tables:"
+                                         f" {', '.join(sorted(tables)) or 'none'})")
         if version > len(_MIGRATIONS):
             raise HistoryError(f"{self.path} was written by a newer edgerun (schema {version});"
                                " upgrade edgerun or move the file away")
+        with self._locked() as c:
+            # WAL + synchronous=NORMAL: a commit appends to the WAL without fsync, so a streamed
+            # chunk costs microseconds and survives the process dying (power loss may drop the
+            # last commits).
+            c.execute("PRAGMA journal_mode=WAL")
+            c.execute("PRAGMA synchronous=NORMAL")
+            c.execute("PRAGMA foreign_keys=ON")
         while version < len(_MIGRATIONS):
             with self._tx() as c:
                 # re-read under the write lock: another process may have migrated meanwhile
@@ -136,10 +181,15 @@ class History:
                         c.execute(statement)
                     version += 1
                     c.execute(f"PRAGMA user_version = {version}")
+        with self._locked() as c:
+            missing = _missing(c)
+        if missing:
+            raise _unreadable(self.path, f"is not an edgerun history (it lacks {', '.join(missing)})")
 
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+            self._writer.release()
 
     def __enter__(self) -> History:
         return self
@@ -195,10 +245,11 @@ class History:
                     stats: dict | None = None) -> int:
         _check_status(status)
         now = self._clock()
+        writer = self._writer.token if status == "streaming" else None
         with self._tx() as c:
             msg_id = c.execute("INSERT INTO messages (conversation_id, role, content, status, stats,"
-                               " created) VALUES (?, ?, ?, ?, ?, ?)",
-                               (conv_id, role, content, status, _json(stats), now)).lastrowid
+                               " created, writer) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                               (conv_id, role, content, status, _json(stats), now, writer)).lastrowid
             c.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conv_id))
             if role == "user":  # `title IS NULL`: only the first one names it, never over a rename
                 c.execute("UPDATE conversations SET title = ? WHERE id = ? AND title IS NULL",
@@ -238,10 +289,13 @@ class History:
             c.execute("DELETE FROM conversations WHERE id = ?", (conv_id,))
 
     def recover(self) -> int:
-        """Mark replies a dead process left 'streaming' as 'interrupted'; returns how many. Call
-        at startup, before this process streams (another live edgerun's reply would be hit too)."""
+        """Mark 'interrupted' the replies left 'streaming' by a writer that is gone (its process
+        died, or it closed its History mid-reply); returns how many. A reply another live History
+        is streaming, in this process or another, is left alone."""
         with self._tx() as c:
-            return c.execute("UPDATE messages SET status = 'interrupted' WHERE status = 'streaming'").rowcount
+            writers = {w for (w,) in c.execute("SELECT DISTINCT writer FROM messages WHERE status = 'streaming'")}
+            return sum(c.execute("UPDATE messages SET status = 'interrupted' WHERE status = 'streaming'"
+                                 " AND writer IS ?", (writer,)).rowcount for writer in self._writer.gone(writers))
 
     def export_markdown(self, conv_id: int) -> str:
         found = self._conversations("WHERE c.id = ?", (conv_id,))
@@ -257,6 +311,83 @@ class History:
             if m.status in _MARKS:  # a reply cut short must not read as a complete answer
                 parts.append(_MARKS[m.status])
         return "\n\n".join(parts) + "\n"
+
+
+class _WriterLock:
+    """A History's claim on the replies it streams: an exclusive flock on
+    <history>.writers/<token>.lock, held while the History is open. The OS drops it when the
+    process ends, however it ends (SIGKILL too), so a lock that can be taken means its writer is
+    gone; a pid alone could belong to a new process by then. flock, not fcntl/lockf: a POSIX
+    record lock belongs to the process, so probing a lock this process holds would succeed."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.token = folder, secrets.token_hex(8)
+        self._fd: int | None = None
+        pending = folder / f"{self.token}.new"
+        try:
+            folder.mkdir(exist_ok=True)
+            self._fd = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)  # a name nobody else knows: never waits
+            # a file carries a .lock name only once locked, so a sweep (which removes the ones it
+            # can lock) never takes a writer that is still starting
+            os.rename(pending, self._file(self.token))
+        except OSError as e:
+            if self._fd is not None:
+                os.close(self._fd)
+                pending.unlink(missing_ok=True)
+            raise HistoryError(f"cannot create a lock file in {folder} ({e}); check its permissions") from e
+
+    def _file(self, token: str) -> Path:
+        return self.folder / f"{token}.lock"
+
+    def release(self) -> None:
+        if self._fd is not None:
+            self._file(self.token).unlink(missing_ok=True)
+            os.close(self._fd)  # drops the lock
+            self._fd = None
+
+    def gone(self, tokens: set[str | None]) -> set[str | None]:
+        """Those of `tokens` whose writer has ended (None, a reply from before writers were
+        recorded, counts as ended). Removes every ended writer's lock file on the way."""
+        try:
+            for path in self.folder.glob("*.lock"):
+                _remove_if_free(path)
+        except OSError as e:
+            raise HistoryError(f"cannot check the writers' locks in {self.folder} ({e}); "
+                               "check its permissions") from e
+        return {t for t in tokens if t is None or not self._file(t).exists()}
+
+
+def _remove_if_free(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return  # its writer closed, or another recover() removed it meanwhile
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path.unlink(missing_ok=True)  # while holding its lock: no live writer can be using it
+    except BlockingIOError:
+        pass  # its writer is alive
+    finally:
+        os.close(fd)
+
+
+def move_aside(path: Path, clock: Callable[[], float] = time.time) -> Path:
+    """Rename a history file that cannot be used (with its -wal and -shm, which belong to it) to
+    `<name>.corrupt-<time>`, so a new one can start; returns the new name."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(clock()))
+    target, n = path.with_name(f"{path.name}.corrupt-{stamp}"), 1
+    while target.exists():
+        target, n = path.with_name(f"{path.name}.corrupt-{stamp}-{n}"), n + 1
+    try:
+        for suffix in ("-wal", "-shm"):
+            side = path.with_name(path.name + suffix)
+            if side.exists():
+                side.rename(target.with_name(target.name + suffix))
+        path.rename(target)
+    except OSError as e:
+        raise HistoryError(f"cannot move {path} aside ({e}); move it away by hand") from e
+    return target
 
 
 def _check_status(status: str, final: bool = False) -> None:

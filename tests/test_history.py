@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -16,7 +17,7 @@ import time
 import pytest
 
 from edgerun import history
-from edgerun.errors import EdgerunError, HistoryError
+from edgerun.errors import EdgerunError, HistoryError, HistoryUnreadable
 from edgerun.history import History, Message
 
 
@@ -209,7 +210,7 @@ def test_export_markdown_marks_replies_cut_short(hist):
     hist.add_message(conv, "user", "Again")
     reply = hist.begin_reply(conv)
     hist.append_reply(reply, "One")
-    hist.recover()
+    hist.finish_reply(reply, "interrupted")
     assert hist.export_markdown(conv) == textwrap.dedent("""\
         # Say hi
 
@@ -253,16 +254,21 @@ def test_export_markdown_marks_replies_cut_short(hist):
 
 # ---------------------------------------------------------------- crashes
 
-def test_recover_marks_streaming_replies_interrupted(hist):
-    conv = hist.new_conversation("m")
-    reply = hist.begin_reply(conv)
-    done = hist.begin_reply(conv)
-    hist.finish_reply(done, "done")
-    assert hist.recover() == 1
-    assert [m.status for m in hist.messages(conv)] == ["interrupted", "done"]
-    assert hist.recover() == 0
-    with pytest.raises(HistoryError):
-        hist.append_reply(reply, "too late")
+def test_recover_marks_the_replies_of_a_closed_writer_interrupted(home):
+    with History() as writer:
+        conv = writer.new_conversation("m")
+        reply = writer.begin_reply(conv)
+        done = writer.begin_reply(conv)
+        writer.finish_reply(done, "done")
+        with History() as other:
+            assert writer.recover() == other.recover() == 0  # its writer is still open
+    with History() as h:
+        assert h.recover() == 1
+        assert [m.status for m in h.messages(conv)] == ["interrupted", "done"]
+        assert h.recover() == 0
+        with pytest.raises(HistoryError):
+            h.append_reply(reply, "too late")
+    assert [p.name for p in (home / "data" / "history.sqlite3.writers").iterdir()] == []
 
 
 CHUNKS = ["The ", "reply ", "so ", "far", ", with ünïcode ✓"]
@@ -341,3 +347,143 @@ def test_append_is_cheap(hist):
     elapsed = time.perf_counter() - start
     assert elapsed < 1.0, f"1000 appends took {elapsed:.3f} s"
     assert hist.messages(conv)[0].content == "tok " * 1000
+
+
+# ---------------------------------------------------------------- two processes, one history
+
+WRITER = textwrap.dedent("""
+    import sys
+    from edgerun.history import History
+    h = History()
+    conv = h.new_conversation("m")
+    first = h.begin_reply(conv)
+    h.append_reply(first, "streamed ")
+    print(conv, first, flush=True)
+    sys.stdin.readline()  # meanwhile the test's History, a second chat app starting, recovers
+    h.append_reply(first, "on")
+    h.finish_reply(first, "done")
+    second = h.begin_reply(conv)
+    h.append_reply(second, "cut")
+    print(second, flush=True)
+    sys.stdin.readline()  # never answered: the test kills this process here
+""")
+
+
+def test_recover_leaves_a_live_processs_reply_alone_and_takes_it_once_killed(home):
+    writer = subprocess.Popen([sys.executable, "-c", WRITER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=os.environ)
+    try:
+        conv, first = map(int, writer.stdout.readline().split())
+        with History() as h:
+            assert h.recover() == 0
+            assert [(m.content, m.status) for m in h.messages(conv)] == [("streamed ", "streaming")]
+            writer.stdin.write("go on\n")
+            writer.stdin.flush()
+            second = int(writer.stdout.readline())  # the writer's later append and finish landed
+            assert [(m.id, m.content, m.status) for m in h.messages(conv)] == [
+                (first, "streamed on", "done"), (second, "cut", "streaming")]
+            assert h.recover() == 0
+            writer.kill()  # SIGKILL: no close, the OS drops its lock
+            assert writer.wait(timeout=60) == -signal.SIGKILL
+            assert h.recover() == 1
+            assert [(m.content, m.status) for m in h.messages(conv)][-1] == ("cut", "interrupted")
+            locks = home / "data" / "history.sqlite3.writers"
+            assert [p.name for p in locks.iterdir()] == [f"{h._writer.token}.lock"]  # the dead one's is gone
+    finally:
+        writer.kill()
+        writer.wait(timeout=60)
+
+
+def test_an_older_file_gains_the_writer_column_and_its_streaming_reply_is_recovered(home):
+    path = home / "data" / "history.sqlite3"
+    path.parent.mkdir(parents=True)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        for statement in history._MIGRATIONS[0]:
+            conn.execute(statement)
+        conn.execute("PRAGMA user_version = 1")
+        conn.execute("INSERT INTO conversations (model, created, updated) VALUES ('m', 0, 0)")
+        conn.execute("INSERT INTO messages (conversation_id, role, content, status, created)"
+                     " VALUES (1, 'assistant', 'older', 'streaming', 0)")
+        conn.commit()
+    with History() as h:
+        assert h._conn.execute("PRAGMA user_version").fetchone()[0] == len(history._MIGRATIONS) == 2
+        assert h.recover() == 1  # no writer recorded: an edgerun from before writers were, long gone
+        assert [(m.content, m.status) for m in h.messages(1)] == [("older", "interrupted")]
+
+
+# ---------------------------------------------------------------- files that are not a history
+
+def _history_with_messages(path):
+    with History(path) as h:
+        conv = h.new_conversation("m")
+        for i in range(400):
+            h.add_message(conv, "user", f"{i:03d} " + "words " * 50)
+
+
+def _random_bytes(path):
+    path.write_bytes(os.urandom(8192))
+
+
+def _text_file(path):
+    path.write_text("milk\neggs\nbread\n" * 500)
+
+
+def _other_programs_database(path):
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("CREATE TABLE bookmarks (url TEXT, title TEXT)")
+        conn.execute("INSERT INTO bookmarks VALUES ('https://example.org', 'example')")
+        conn.commit()
+
+
+def _other_programs_database_with_a_schema_version(path):
+    _other_programs_database(path)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA user_version = 2")
+
+
+def _truncated_history(path):
+    _history_with_messages(path)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def _history_with_a_damaged_page(path):
+    _history_with_messages(path)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+    data = bytearray(path.read_bytes())
+    middle = len(data) // page // 2 * page
+    data[middle:middle + page] = b"\xff" * page  # no b-tree page starts with 0xff
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("make", [_random_bytes, _text_file, _other_programs_database,
+                                  _other_programs_database_with_a_schema_version, _truncated_history,
+                                  _history_with_a_damaged_page], ids=lambda f: f.__name__.strip("_"))
+def test_a_file_that_is_not_a_usable_history_is_refused_in_one_line(home, make):
+    path = home / "data" / "history.sqlite3"
+    path.parent.mkdir(parents=True)
+    make(path)
+    before = path.read_bytes()
+    with pytest.raises(HistoryUnreadable) as err:
+        History()
+    message = str(err.value)
+    assert str(path) in message and "move the file away" in message and "\n" not in message
+    assert path.read_bytes() == before  # refused before anything was written into it
+
+
+def test_move_aside_keeps_the_old_file_and_a_new_history_starts(home):
+    path = home / "data" / "history.sqlite3"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a database" * 100)
+    with pytest.raises(HistoryUnreadable):
+        History()
+    path.with_name(path.name + "-wal").write_bytes(b"its wal")  # as a killed edgerun leaves one
+    moved = history.move_aside(path, clock=lambda: 0.0)
+    assert moved.name.startswith("history.sqlite3.corrupt-") and moved.read_bytes() == b"not a database" * 100
+    assert moved.with_name(moved.name + "-wal").read_bytes() == b"its wal"
+    assert not path.exists() and not path.with_name(path.name + "-wal").exists()
+    with History() as h:
+        assert h.list_conversations() == []
+    again = history.move_aside(path, clock=lambda: 0.0)  # same second: a name of its own
+    assert again != moved and again.exists() and moved.exists()
