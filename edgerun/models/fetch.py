@@ -253,7 +253,7 @@ def _from_mirror(entry: CatalogEntry, source: Source) -> Path:
         shutil.rmtree(work, ignore_errors=True)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFull(
-                f"{entry.name}: the disk filled up while assembling {paths.cache_dir()}; the parts"
+                f"{entry.name}: the disk filled up assembling the model in {work}; the parts"
                 " were deleted; free some space or set EDGERUN_HOME to a bigger disk") from None
         raise
     except BaseException:
