@@ -12,7 +12,7 @@ from edgerun.errors import ConfigError
 from edgerun.decode.generate import Prefill, Step, generate
 from edgerun.decode.speculative import Round
 from edgerun.decode import governor
-from edgerun.decode.speculative import SpecConfig
+from edgerun.decode.speculative import SpecConfig, k_limit
 from edgerun.models import catalog, fetch
 from edgerun.models.fetch import resolve
 from edgerun.models.gguf_check import GGUFInfo, inspect
@@ -122,7 +122,9 @@ class Runner:
         except Exception:
             self.close()
             raise
-        self.spec = SpecConfig(draft=self.draft_ctx, ngram=ngram, k=spec_k, rule=rule)
+        self.notes: list[str] = []  # one-time notes for the user about this load (the CLI and TUI show them)
+        speculating = self.draft_ctx is not None or ngram
+        self.spec = SpecConfig(draft=self.draft_ctx, ngram=ngram, k=self._fit_k(spec_k, speculating), rule=rule)
         if self.plan.gpu_bytes:
             self._warm_up(speculating=self.draft_ctx is not None or ngram)
         if (self.draft_ctx is not None or ngram) and spec_k is None:
@@ -132,13 +134,27 @@ class Runner:
             if self.plan.gpu_bytes and not ngram and governor.given_up(self.spec.governors["model"]):
                 self._warm_device_greedy()
 
+    def _fit_k(self, spec_k: int | None, speculating: bool) -> int | None:
+        """A fixed draft length clamped to what one batch holds (`last` and k drafts go to one
+        llama_decode, which aborts on more than n_batch tokens), with a note saying so."""
+        cap = k_limit(self.ctx)
+        if not speculating or (spec_k is not None and spec_k <= cap) or (spec_k is None and cap >= governor.K_MAX):
+            return spec_k
+        if cap == 0:
+            self.notes.append(f"n_batch {self.ctx.n_batch} leaves no room for draft tokens, so replies decode"
+                              " without speculation; raise --n-batch to speculate")
+        elif spec_k is not None:
+            self.notes.append(f"spec-k {spec_k} needs a batch of {spec_k + 1} tokens but n_batch is"
+                              f" {self.ctx.n_batch}: drafting at most {cap} per round (raise --n-batch for more)")
+        return spec_k if spec_k is None else min(spec_k, cap)
+
     def _warm_up(self, *, speculating: bool) -> None:
         """Run each batch shape the replies will use once before the first reply, as llama.cpp's
         own tools do at load: on a GPU the first decode of a new shape pays for graph capture and
         kernel selection (milliseconds, against a step of about one), which would otherwise land
         in the first reply's speed and in a governor's first measurements."""
         token = self.model.bos if self.model.bos >= 0 else 0
-        widest = governor.K_MAX + 1 if speculating else 1  # verify batches: last + up to K_MAX drafts
+        widest = min(governor.K_MAX, k_limit(self.ctx)) + 1 if speculating else 1  # verify: last + drafts
         for n in (1, *range(1, widest + 1)):  # the single-token step twice: it is nearly every step
             self.ctx.eval([token] * n, all_logits=True)
             self.ctx.trim(0)
@@ -167,7 +183,8 @@ class Runner:
         # (context, tokens, logits for every position): verifies score every position, the
         # draft's catch-up only its last. Shapes take turns, so a stall hits one sample of each
         # rather than every sample of one; the fastest sample counts (noise only adds time).
-        shapes = {("verify", n): (self.ctx, n, True) for n in range(1, governor.K_MAX + 2)}
+        widest = min(governor.K_MAX, k_limit(self.ctx)) + 1  # a verify batch: last + up to k drafts
+        shapes = {("verify", n): (self.ctx, n, True) for n in range(1, widest + 1)}
         if self.draft_ctx is not None:
             shapes |= {("draft", 1): (self.draft_ctx, 1, False),
                        ("catch_up", CATCH_UP_PROBE): (self.draft_ctx, CATCH_UP_PROBE, False)}

@@ -4,7 +4,7 @@ and keeping both KV caches' bookkeeping equal to what llama.cpp holds."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from edgerun.decode import governor
 from edgerun.decode.ngram import NgramDrafter
@@ -17,6 +17,12 @@ PLAIN_BUDGET_S = 0.05  # ... returning within about this long, so a stop request
 # proposed but never evaluated). A lag up to this long goes into the round's first draft batch, so
 # the governor sees it as drafting cost; a longer one (the prompt, a plain stretch) is prefill.
 FEED_MAX = governor.K_MAX + 2
+
+
+def k_limit(target: Context) -> int:
+    """The most drafts a round may verify: `last` and k drafts go to llama_decode as one batch,
+    and llama.cpp aborts the process on a batch larger than the context's n_batch."""
+    return max(0, target.n_batch - 1)
 
 
 @dataclass(frozen=True)
@@ -76,8 +82,10 @@ class Speculator:
         self.stable_shapes = cfg.stable_shapes
         if self.stable_shapes is None:
             self.stable_shapes = cfg.draft is not None and cfg.draft.model.n_gpu_layers > 0
+        self.k_cap = k_limit(target)
         for name in ("model", "ngram"):
-            self.gov[name] = governor.new_reply(self.gov.get(name, fresh))
+            state = governor.new_reply(self.gov.get(name, fresh))
+            self.gov[name] = replace(state, k_max=min(state.k_max, self.k_cap))
         self._pending: tuple[str, int, str] = ("none", 0, "")
         self._catch_up_s = 0.0
         self._gave_up: str | None = None  # why the model draft is out for the rest of this reply
@@ -85,7 +93,10 @@ class Speculator:
     def _choose(self, name: str, available: int | None, remaining: int | None = None,
                 lag: int = 0) -> tuple[int, str]:
         """`lag`: tokens the model draft would prefill before drafting (0 for a short lag, which
-        rides along in the round's batch)."""
+        rides along in the round's batch). k never exceeds what one batch holds, nor the context
+        left: the verify batch writes `last` and k drafts from position n_past on."""
+        room = min(self.k_cap, self.target.n_ctx - self.target.n_past - 1)
+        available = room if available is None else min(available, room)
         if self.cfg.k is not None:
             k = self.cfg.k if available is None else min(self.cfg.k, available)
             return k, f"fixed k={self.cfg.k}"
@@ -99,13 +110,13 @@ class Speculator:
         # everything committed before `last` is what the target's cache holds. A short lag rides in
         # the native round's first draft batch with `last`; a long one goes in n_batch chunks here
         lag = len(self.target.tokens) - keep
-        if lag > FEED_MAX:
+        if lag > FEED_MAX or lag + 1 > draft.n_batch:  # the feed is one llama_decode batch
             draft.sync(self.target.tokens)
             keep = draft.n_past
         else:
             draft.trim(keep)
         self._catch_up_s = time.perf_counter() - start  # prefill work: the stats show it
-        if lag > FEED_MAX:  # ... and the governor weighs it against re-checking a losing draft
+        if lag > FEED_MAX or lag + 1 > draft.n_batch:  # ... and the governor weighs it against re-checking a losing draft
             self.gov["model"] = governor.caught_up(self.gov["model"], lag, self._catch_up_s)
         return self.target.tokens[keep:] + [last], keep
 
@@ -115,7 +126,7 @@ class Speculator:
         only between rounds). A give-up holds to the reply's end: later plain timings move the
         costs a little, and a draft switched back on after the sampler settled would find no logits."""
         if self._gave_up is None and self.cfg.draft is not None and self.cfg.k is None:
-            self._gave_up = governor.given_up(self.gov["model"])
+            self._gave_up = governor.given_up(self.gov["model"], self.k_cap)
 
     def _until_probe(self) -> int | None:
         """Plain tokens until the governor re-checks the model draft; 0 or less: a re-check is due,
