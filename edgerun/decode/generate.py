@@ -4,6 +4,7 @@ a Prefill record, then Steps (one per token) with a Round record after each roun
 from __future__ import annotations
 
 import codecs
+import contextlib
 import random
 import threading
 import time
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from edgerun import _native
 from edgerun.decode import governor
 from edgerun.decode.speculative import Round, SpecConfig, Speculator
-from edgerun.errors import ConfigError
+from edgerun.errors import ConfigError, EngineError
 from edgerun.runtime.engine import Context
 from edgerun.settings import SamplerSettings
 
@@ -38,11 +39,40 @@ class Prefill:
     seconds: float
 
 
+@contextlib.contextmanager
+def native_errors(what: str, fix: str = "start a new conversation, or run with -v to see llama.cpp's log"):
+    """The boundary to the native extension: what it raises (std::runtime_error and
+    std::invalid_argument arrive as RuntimeError and ValueError; an argument pybind11 cannot
+    convert as TypeError) becomes an EngineError that says what failed and what to do."""
+    try:
+        yield
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise EngineError(f"llama.cpp failed while {what} ({exc}); {fix}") from exc
+
+
 def native_params(s: SamplerSettings) -> _native.SamplerParams:
     p = _native.SamplerParams()
-    p.temperature, p.top_k, p.top_p, p.min_p = s.temperature, s.top_k, s.top_p, s.min_p
-    p.repeat_penalty, p.repeat_last_n = s.repeat_penalty, s.repeat_last_n
+    with native_errors("taking the sampler settings", "check temperature, top-k, top-p and min-p"):
+        p.temperature, p.top_k, p.top_p, p.min_p = s.temperature, s.top_k, s.top_p, s.min_p
+        p.repeat_penalty, p.repeat_last_n = s.repeat_penalty, s.repeat_last_n
     return p
+
+
+def native_rng(seed: int | None) -> _native.Rng:
+    with native_errors("seeding the sampler", "use a seed from 0 to 2**64 - 1"):
+        return _native.Rng(seed if seed is not None else random.getrandbits(64))
+
+
+def first_pick(ctx: Context, history: list[int], params: _native.SamplerParams, rng: _native.Rng) -> int:
+    """The token the prompt's last logits choose."""
+    with native_errors("sampling the first token"):
+        return _native.sample_context(ctx.address, -1, history, params, rng)
+
+
+def native_round(args: dict, **sampling) -> dict:
+    """One native speculation round (see native/round.hpp)."""
+    with native_errors("decoding a round of tokens"):
+        return _native.round(**args, **sampling)
 
 
 class _Emitter:
@@ -98,17 +128,17 @@ def generate(
     evaluated = ctx.prefill(prompt)
     yield Prefill(len(prompt), evaluated, time.perf_counter() - start)
     params = native_params(sampling)
-    rng = _native.Rng(sampling.seed if sampling.seed is not None else random.getrandbits(64))
+    rng = native_rng(sampling.seed)
     history = list(prompt[-max(sampling.repeat_last_n, 0):]) if sampling.repeat_penalty != 1.0 else []
     emit = _Emitter(ctx, max_tokens, cancel, start)
-    last = _native.sample_context(ctx.address, -1, history, params, rng)
+    last = first_pick(ctx, history, params, rng)
     yield emit.step(last, False)
     try:
         while not emit.done:
             if history:
                 history = (history + [last])[-sampling.repeat_last_n:]
             args = speculator.round_args(last, remaining=max_tokens - emit.count)
-            result = _native.round(**args, history=history, params=params, rule=speculator.cfg.rule, rng=rng)
+            result = native_round(args, history=history, params=params, rule=speculator.cfg.rule, rng=rng)
             # the bookkeeping first: the round may have left its newest token's decode in flight
             record = speculator.after(last, result)
             accepted = result["drafts"][: result["accepted"]]
