@@ -114,8 +114,9 @@ def cmd_chat(args) -> int:
     from edgerun.tui.app import EdgerunApp
 
     draft = None if args.draft == defaults.DRAFT else args.draft  # the app's saved choice otherwise
-    EdgerunApp(args.model, draft=draft, engine=_engine_settings(args)).run()
-    return 0
+    app = EdgerunApp(args.model, draft=draft, engine=_engine_settings(args))
+    app.run()
+    return app.return_code or 0  # non-zero when the app ended on an error (e.g. an unusable history)
 
 
 def _plain_chat(args) -> int:

@@ -30,6 +30,7 @@ from edgerun.runtime import devices, llama_log
 from edgerun.settings import EngineSettings
 from edgerun.tui import hints
 from edgerun.tui.compositor import ChatScreen
+from edgerun.tui.history_open import open_history
 from edgerun.tui.stats import StatsPanel
 from edgerun.tui.widgets import ChatInput, Entry, Transcript
 from edgerun import user_settings
@@ -140,16 +141,19 @@ class EdgerunApp(App):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), UI_NICE)
         except (AttributeError, OSError):
             pass
-        self.history = History()
-        recovered = self.history.recover()
-        if recovered:
-            self.notify(f"{recovered} reply(ies) were cut off when edgerun last stopped; kept as interrupted")
         for warning in self.pref_warnings:
             self.notify(warning, severity="warning")
         self.refresh_stats()
         if self.live:
             self.set_interval(REFRESH_S, self.tick)
         self.query_one("#input").focus()
+        open_history(self, self._history_opened)  # an unreadable file asks first, before any model loads
+
+    def _history_opened(self, history: History) -> None:
+        self.history = history
+        recovered = self.history.recover()
+        if recovered:
+            self.notify(f"{recovered} reply(ies) were cut off when edgerun last stopped; kept as interrupted")
         self.request_load(self.model_spec, self.draft_spec)
 
     def on_unmount(self) -> None:
