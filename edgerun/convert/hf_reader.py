@@ -114,8 +114,8 @@ class HFCheckpoint:
         if path not in self._handles:
             try:
                 self._handles[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            except Exception as exc:  # safetensors raises its own SafetensorError for corrupt headers
-                raise ConvertError(f"{path}: not a readable safetensors file ({exc}); re-download it") from None
+            except Exception as exc:
+                raise _unreadable(path, exc) from None
         return self._handles[path]
 
     def names(self) -> list[str]:
@@ -139,27 +139,79 @@ class HFCheckpoint:
         self.close()
 
 
-def _tensor_files(root: Path, files: list[Path]) -> dict[str, Path]:
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = _load_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ConvertError(f"{index}: no weight_map; fix or re-download the checkpoint")
-        missing = sorted({f for f in weight_map.values() if not (root / f).is_file()})
-        if missing:
-            raise ConvertError(f"{root}: shards listed in the index are missing ({', '.join(missing[:3])}); "
-                               "download the whole checkpoint")
-        return {name: root / f for name, f in weight_map.items()}
+def _unreadable(path: Path, exc: BaseException) -> ConvertError:
+    what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return ConvertError(f"{path}: not a readable safetensors file ({what}); re-download it")
+
+
+def _shard_tensors(path: Path) -> list[str]:
+    """The tensor names in one safetensors file's header (safetensors checks the header's length
+    and that every tensor lies inside the file; no data is read)."""
     from safetensors import safe_open
 
-    mapping: dict[str, Path] = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except Exception as exc:  # safetensors raises its own SafetensorError for corrupt headers
+        raise _unreadable(path, exc) from None
+
+
+def _allowed_dir(root: Path) -> Path:
+    """Where a checkpoint's files may really be: its own directory, or for a snapshot in a
+    Hugging Face cache (REPO/snapshots/REV/, whose files link to REPO/blobs/) the repo's folder."""
+    root = root.resolve()
+    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
+        return root.parent.parent
+    return root
+
+
+def _check_inside(path: Path, allowed: Path) -> None:
+    if not path.resolve().is_relative_to(allowed):
+        raise ConvertError(f"{path}: a link to {path.resolve()}, outside the checkpoint directory; "
+                           "copy the file into the directory instead of linking it")
+
+
+def _index_shards(index: Path) -> dict[str, str]:
+    """The index's weight_map, checked: tensor name -> shard file name, every shard a plain file
+    name beside the index (never a path that leads out of the directory)."""
+    weight_map = _load_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConvertError(f"{index}: no weight_map of tensor names to shard files; fix or re-download the checkpoint")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard.endswith(".safetensors"):
+            raise ConvertError(f"{index}: {name} is mapped to {shard!r}, not a .safetensors file name; "
+                               "fix or re-download the checkpoint")
+        if shard != Path(shard).name or "\\" in shard:
+            raise ConvertError(f"{index}: shard {shard!r} is not a file in the checkpoint directory; "
+                               "an index may only name files beside it")
+    return weight_map
+
+
+def _tensor_files(root: Path, files: list[Path]) -> dict[str, Path]:
+    """Tensor name -> the file holding it, from the index if there is one, else from the headers.
+    Every shard's header is read here, so a missing, broken or foreign shard is refused before
+    any work starts."""
+    allowed = _allowed_dir(root)
     for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                mapping.update({name: path for name in f.keys()})
-        except Exception as exc:
-            raise ConvertError(f"{path}: not a readable safetensors file ({exc}); re-download it") from None
-    return mapping
+        _check_inside(path, allowed)
+    index = root / "model.safetensors.index.json"
+    if not index.is_file():
+        return {name: path for path in files for name in _shard_tensors(path)}
+    weight_map = _index_shards(index)
+    shards = sorted(set(weight_map.values()))
+    missing = [s for s in shards if not (root / s).is_file()]
+    if missing:
+        raise ConvertError(f"{root}: shards listed in the index are missing ({', '.join(missing[:3])}); "
+                           "download the whole checkpoint")
+    for shard in shards:
+        _check_inside(root / shard, allowed)
+        held = set(_shard_tensors(root / shard))
+        absent = sorted(name for name, s in weight_map.items() if s == shard and name not in held)
+        if absent:
+            more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+            raise ConvertError(f"{index}: {absent[0]}{more} is listed in {shard}, which does not hold it; "
+                               "re-download the checkpoint")
+    return {name: root / shard for name, shard in weight_map.items()}
 
 
 def open_checkpoint(root: Path) -> HFCheckpoint:
