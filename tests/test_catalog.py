@@ -81,3 +81,12 @@ def test_a_bad_hash_or_a_missing_field_is_one_clear_error():
         catalog.parse(_toml(sha="xyz"))
     with pytest.raises(ConfigError, match="model 'm': role is missing"):
         catalog.parse(_toml().replace('role = "target"\n', ""))
+
+
+def test_two_entries_for_one_file_or_a_missing_default_are_refused():
+    one = _toml()
+    twice = one + one[one.index("[[model]]"):].replace('name = "m"', 'name = "n"')
+    with pytest.raises(ConfigError, match="two entries share a name or a file"):
+        catalog.parse(twice)
+    with pytest.raises(ConfigError, match="default_target 'x' is no entry"):
+        catalog.parse(one.replace('default_target = "m"', 'default_target = "x"'))
