@@ -441,6 +441,13 @@ def _other_programs_database_with_a_schema_version(path):
         conn.execute("PRAGMA user_version = 2")
 
 
+def _other_programs_tables_with_edgeruns_names(path):
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("CREATE TABLE conversations (id INTEGER PRIMARY KEY, topic TEXT)")
+        conn.execute("CREATE TABLE messages (id INTEGER PRIMARY KEY, body TEXT)")
+        conn.execute(f"PRAGMA user_version = {len(history._MIGRATIONS)}")
+
+
 def _truncated_history(path):
     _history_with_messages(path)
     data = path.read_bytes()
@@ -458,7 +465,8 @@ def _history_with_a_damaged_page(path):
 
 
 @pytest.mark.parametrize("make", [_random_bytes, _text_file, _other_programs_database,
-                                  _other_programs_database_with_a_schema_version, _truncated_history,
+                                  _other_programs_database_with_a_schema_version,
+                                  _other_programs_tables_with_edgeruns_names, _truncated_history,
                                   _history_with_a_damaged_page], ids=lambda f: f.__name__.strip("_"))
 def test_a_file_that_is_not_a_usable_history_is_refused_in_one_line(home, make):
     path = home / "data" / "history.sqlite3"
