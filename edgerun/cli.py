@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -11,6 +12,9 @@ from pathlib import Path
 from edgerun import settings as defaults
 from edgerun.bench import BenchSettings
 from edgerun.errors import EdgerunError
+from edgerun.user_settings import TOP_K_MAX
+
+SEED_MAX = 2**64 - 1  # the native RNG's seed is 64 bits
 
 
 def _at_least_one(text: str) -> int:
@@ -24,6 +28,36 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _number(low: float, high: float = math.inf, *, low_open: bool = False, whole: bool = False):
+    """argparse type of a finite number in [low, high] ((low, high] with low_open): a value the
+    native sampler cannot take is an argparse error here, not a failure in llama.cpp later."""
+    def parse(text: str):
+        try:
+            value = int(text) if whole else float(text)
+        except ValueError:
+            value = math.nan
+        if not (low < value if low_open else low <= value) or not value <= high:  # `not <=` catches nan
+            kind = "a whole number" if whole else "a number"
+            bounds = f"above {low}" if low_open else f"of at least {low}"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind} {bounds}"
+                                             + (f" and at most {high}" if high < math.inf else ""))
+        return value
+    return parse
+
+
+# chat's flags that override the app's saved settings; its parser leaves them None when not given
+CHAT_OVERRIDES = ("temp", "top_p", "top_k", "min_p", "repeat_penalty", "seed", "max_tokens", "system",
+                  "draft", "spec_k", "ngram")
+
+
+def chat_flag_defaults() -> dict:
+    """What each of chat's override flags means when it is not given."""
+    p = argparse.ArgumentParser(add_help=False)
+    _add_model_args(p, positional=True)
+    _add_sampling_args(p)
+    return {k: v for k, v in vars(p.parse_args([])).items() if k in CHAT_OVERRIDES}
+
+
 def _add_model_args(p: argparse.ArgumentParser, *, positional: bool = False) -> None:
     if positional:
         p.add_argument("model", nargs="?", default=None, help="catalog name, hf:// URI or .gguf path")
@@ -32,9 +66,9 @@ def _add_model_args(p: argparse.ArgumentParser, *, positional: bool = False) -> 
     e = defaults.EngineSettings()
     p.add_argument("--ctx", type=int, default=e.n_ctx, help=f"context size in tokens (default {e.n_ctx})")
     p.add_argument("--n-batch", type=_at_least_one, default=e.n_batch, help="prompt tokens per llama_decode call")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--threads", type=_at_least_one, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--gpu-layers", default=e.gpu_layers, help="auto, 0, or a layer count")
-    p.add_argument("--max-vram", type=float, default=None, metavar="GIB",
+    p.add_argument("--max-vram", type=_number(0), default=None, metavar="GIB",
                    help="GiB of VRAM the offload plan may use (default: all that is free)")
     p.add_argument("--draft", default=defaults.DRAFT,
                    help="draft model: a catalog name or path, auto (the catalog's recommended draft where it pays), none")
@@ -44,12 +78,13 @@ def _add_model_args(p: argparse.ArgumentParser, *, positional: bool = False) -> 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     s = defaults.SamplerSettings()
-    p.add_argument("--temp", type=float, default=s.temperature, help=f"temperature (default {s.temperature}; 0 = greedy)")
-    p.add_argument("--top-p", type=float, default=s.top_p)
-    p.add_argument("--top-k", type=int, default=s.top_k)
-    p.add_argument("--min-p", type=float, default=s.min_p)
-    p.add_argument("--repeat-penalty", type=float, default=s.repeat_penalty)
-    p.add_argument("--seed", type=int, default=None, help="RNG seed (default: random)")
+    p.add_argument("--temp", type=_number(0), default=s.temperature,
+                   help=f"temperature (default {s.temperature}; 0 = greedy)")
+    p.add_argument("--top-p", type=_number(0, 1, low_open=True), default=s.top_p)
+    p.add_argument("--top-k", type=_number(0, TOP_K_MAX, whole=True), default=s.top_k, help="0 = off")
+    p.add_argument("--min-p", type=_number(0, 1), default=s.min_p)
+    p.add_argument("--repeat-penalty", type=_number(0, low_open=True), default=s.repeat_penalty)
+    p.add_argument("--seed", type=_number(0, SEED_MAX, whole=True), default=None, help="RNG seed (default: random)")
     p.add_argument("-n", "--max-tokens", type=_at_least_one, default=defaults.MAX_TOKENS)
     p.add_argument("--system", default=defaults.DEFAULT_SYSTEM_PROMPT, help="system prompt")
 
@@ -77,15 +112,15 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
                    f" or a .toml like the shipped one (default {b.prompts})")
     p.add_argument("-n", "--max-tokens", type=_at_least_one, default=b.max_tokens,
                    help=f"tokens per reply (default {b.max_tokens})")
-    p.add_argument("--temp", type=float, default=b.temperature,
+    p.add_argument("--temp", type=_number(0), default=b.temperature,
                    help=f"temperature (default {b.temperature}: greedy, so outputs compare token for token)")
-    p.add_argument("--seed", type=int, default=b.seed, help=f"RNG seed (default {b.seed})")
-    p.add_argument("--repeat", type=int, default=b.repeat,
+    p.add_argument("--seed", type=_number(0, SEED_MAX, whole=True), default=b.seed, help=f"RNG seed (default {b.seed})")
+    p.add_argument("--repeat", type=_at_least_one, default=b.repeat,
                    help=f"runs per prompt and configuration (default {b.repeat})")
     p.add_argument("--n-batch", type=_int_list, default=[], metavar="N[,N...]",
                    help="also measure the longest prompt's TTFT for each n_batch, e.g. 128,512")
     p.add_argument("--ctx", type=int, default=e.n_ctx, help=f"context size in tokens (default {e.n_ctx})")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--threads", type=_at_least_one, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of latencies and tok/s here")
 
@@ -102,10 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="skip the chat template")
     p.add_argument("--stats-json", type=Path, default=None, help="write the reply's stats as JSON here")
 
-    p = sub.add_parser("chat", help="chat with a model")
+    p = sub.add_parser("chat", help="chat with a model (flags given win over the app's saved settings, for this run)")
     _add_model_args(p, positional=True)
     _add_sampling_args(p)
+    p.add_argument("--no-ngram", dest="ngram", action="store_false", help="no prompt-lookup drafting this run")
     p.add_argument("--plain", action="store_true", help="a plain streaming REPL instead of the app")
+    p.set_defaults(**dict.fromkeys(CHAT_OVERRIDES, None))  # None: not given (the saved setting holds)
 
     p = sub.add_parser("bench", help="A/B benchmark of two configurations: speed and output agreement")
     _add_bench_args(p)

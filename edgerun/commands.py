@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -53,8 +54,11 @@ def _spec_k(args) -> int | None:
 def _open_runner(args):
     from edgerun.runner import Runner
 
-    return Runner(_model_spec(args), _engine_settings(args), draft=args.draft, ngram=args.ngram,
-                  spec_k=_spec_k(args))
+    runner = Runner(_model_spec(args), _engine_settings(args), draft=args.draft, ngram=args.ngram,
+                    spec_k=_spec_k(args))
+    for note in runner.notes:
+        _err(f"edgerun: note: {note}")
+    return runner
 
 
 @contextlib.contextmanager
@@ -81,6 +85,8 @@ def _stream_to(out, records, stats: ReplyStats) -> str:
 
 
 def cmd_run(args) -> int:
+    if args.raw and args.system:
+        raise ConfigError("--system has no effect with --raw (no chat template); drop one of them")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     with _open_runner(args) as runner:
         if args.raw:
@@ -109,14 +115,38 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def cmd_chat(args) -> int:
+    engine = _engine_settings(args)
+    overrides = _chat_overrides(args)
     if args.plain or not sys.stdin.isatty() or not sys.stdout.isatty():
-        return _plain_chat(args)
+        from edgerun.cli import chat_flag_defaults
+
+        unset = {k: v for k, v in chat_flag_defaults().items() if getattr(args, k) is None}
+        return _plain_chat(argparse.Namespace(**(vars(args) | unset)))
     from edgerun.tui.app import EdgerunApp
 
-    draft = None if args.draft == defaults.DRAFT else args.draft  # the app's saved choice otherwise
-    app = EdgerunApp(args.model, draft=draft, engine=_engine_settings(args))
+    app = EdgerunApp(args.model, engine=engine, overrides=overrides)
     app.run()
     return app.return_code or 0  # non-zero when the app ended on an error (e.g. an unusable history)
+
+
+# chat flag -> the saved setting it overrides in the app (the rest have no saved setting)
+_CHAT_SAVED = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_tokens",
+               "system": "system_prompt", "draft": "draft", "spec_k": "spec_k", "ngram": "ngram"}
+_CHAT_SAMPLING = {"min_p": "min_p", "repeat_penalty": "repeat_penalty", "seed": "seed"}
+
+
+def _chat_overrides(args):
+    """The chat flags actually given (checked here, so a bad one fails before the app starts)."""
+    from edgerun.user_settings import Overrides
+
+    saved = {key: getattr(args, flag) for flag, key in _CHAT_SAVED.items() if getattr(args, flag) is not None}
+    if "spec_k" in saved:
+        k = _spec_k(args)
+        saved["spec_k"] = "auto" if k is None else k
+    if "system_prompt" in saved:
+        saved["system_prompt"] = saved["system_prompt"] or None  # --system "": the template's own
+    sampling = {key: getattr(args, flag) for flag, key in _CHAT_SAMPLING.items() if getattr(args, flag) is not None}
+    return Overrides(saved, sampling)
 
 
 def _plain_chat(args) -> int:
@@ -161,6 +191,8 @@ def _chat_turn(runner, messages, sampling, max_tokens) -> str:
 
 def cmd_pull(args) -> int:
     cat = catalog.load()
+    if args.default and args.model:
+        raise ConfigError(f"pull either --default or '{args.model}', not both")
     if args.default:
         for entry in cat.defaults:
             print(fetch.pull(entry, say=_err))

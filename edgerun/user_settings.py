@@ -9,13 +9,14 @@ import os
 import tempfile
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edgerun import paths, settings
 
 _SAMPLER = settings.SamplerSettings()
+TOP_K_MAX = 2**31 - 1  # the native sampler takes top-k as a 32-bit int
 SPEC_K, NGRAM, SHOW_DRAFT_MARKS = settings.SPEC_K, settings.NGRAM, settings.SHOW_DRAFT_MARKS
 
 
@@ -45,6 +46,42 @@ class UserSettings:
         return None if self.spec_k == "auto" else int(self.spec_k)
 
 
+@dataclass(frozen=True)
+class Overrides:
+    """Settings given on the command line. For this run they win over the saved ones; they are
+    never saved. `saved`: UserSettings fields; `sampling`: SamplerSettings fields that have no
+    saved setting (min_p, repeat_penalty, seed)."""
+
+    saved: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    def apply(self, user: UserSettings) -> UserSettings:
+        return user.replace(**self.saved)
+
+    def sampling_for(self, user: UserSettings) -> settings.SamplerSettings:
+        return self.apply(user).sampling.replace(**self.sampling)
+
+    def without(self, keys: set[str]) -> Overrides:
+        """These overrides less the saved settings in `keys` (ones the user has since changed)."""
+        return Overrides({k: v for k, v in self.saved.items() if k not in keys}, self.sampling)
+
+    def describe(self) -> str:
+        """e.g. "command line: temp 0.2, ngram"; "" when nothing is overridden."""
+        parts = []
+        for key, value in (self.saved | self.sampling).items():
+            name = _FLAG_NAMES.get(key, key.replace("_", "-"))
+            if isinstance(value, bool):
+                parts.append(name if value else f"no-{name}")
+            elif key == "system_prompt":  # a prompt can be long: the status line names it only
+                parts.append(name)
+            else:
+                parts.append(f"{name} {'default' if value is None else value}")
+        return f"command line: {', '.join(parts)}" if parts else ""
+
+
+_FLAG_NAMES = {"temperature": "temp", "system_prompt": "system", "max_tokens": "max-tokens"}
+
+
 def _number(v: object) -> bool:
     # bool is an int subclass, and TOML's inf/nan are floats: neither is a usable setting
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -62,7 +99,7 @@ def _name(v: object) -> bool:
 _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "temperature": (lambda v: _number(v) and v >= 0, "a number >= 0"),
     "top_p": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
-    "top_k": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
+    "top_k": (lambda v: _whole(v) and 0 <= v <= TOP_K_MAX, f"a whole number from 0 to {TOP_K_MAX}"),
     "max_tokens": (lambda v: _whole(v) and v > 0, "a whole number > 0"),
     "system_prompt": (lambda v: isinstance(v, str), "text"),
     "draft": (_name, '"auto", "none" or a model name'),

@@ -3,6 +3,7 @@ through messages; the UI thread never waits on a model."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -90,12 +91,16 @@ class EdgerunApp(App):
     ]
 
     def __init__(self, model: str | None = None, *, draft: str | None = None,
-                 engine: EngineSettings | None = None, live: bool = True, resume: int | None = None):
+                 engine: EngineSettings | None = None, live: bool = True, resume: int | None = None,
+                 overrides: user_settings.Overrides | None = None):
+        """overrides: settings given on the command line; they win over the saved ones for this
+        run (the status line names them) and are never saved."""
         super().__init__()
         llama_log.route_to_file(paths.data_dir() / "edgerun.log")
         self.prefs, self.pref_warnings = user_settings.load()
+        self.overrides = overrides or user_settings.Overrides()
         self.model_spec = model or self.prefs.last_model or catalog.load().default_target
-        self.draft_spec = draft if draft is not None else self.prefs.draft
+        self.draft_spec = draft if draft is not None else self.effective.draft
         self.engine = engine or EngineSettings()
         self.live, self.resume = live, resume
         self.history: History | None = None
@@ -113,6 +118,11 @@ class EdgerunApp(App):
         self._vram: str | None = None
         self._memory = (0, 0)  # (RSS, free RAM) as last read
         self._widgets: dict = {}  # main-screen widgets found so far (a query walks the DOM)
+
+    @property
+    def effective(self) -> user_settings.UserSettings:
+        """The saved settings with the command line's overrides on top: what this run uses."""
+        return self.overrides.apply(self.prefs)
 
     # ----- layout -------------------------------------------------------------------------------
 
@@ -172,18 +182,23 @@ class EdgerunApp(App):
 
     @work(thread=True, exclusive=True, group="load")
     def load_model(self, request: LoadRequest) -> None:
+        prefs = self.effective
         try:
-            runner = Runner(request.model, request.engine, draft=request.draft, ngram=self.prefs.ngram,
-                            spec_k=self.prefs.spec_k_value)
+            runner = Runner(request.model, request.engine, draft=request.draft, ngram=prefs.ngram,
+                            spec_k=prefs.spec_k_value)
         except EdgerunError as exc:
             self.post_message(ModelFailed(str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001  the worker must report, not die and take the app down
+            self.post_message(ModelFailed(f"loading failed unexpectedly ({type(exc).__name__}: {exc});"
+                                          " run `edgerun doctor` or pick another model with F2"))
             return
         self.post_message(ModelLoaded(runner, request))
 
     async def on_model_loaded(self, event: ModelLoaded) -> None:
         old = self.session
         self.session = ChatSession(event.runner, self.history, model_name=event.request.model,
-                                   system=self.prefs.system_prompt,
+                                   system=self.effective.system_prompt,
                                    conversation_id=old.conversation_id if old else self.resume)
         if old is not None and self._stop_generation():
             old.runner.close()
@@ -195,7 +210,10 @@ class EdgerunApp(App):
         panel = self._main_widget(StatsPanel)
         if panel is not None:
             panel.show_plan(event.runner.plan)
-        self.set_status(f"ready: {event.request.model} (draft {draft})")
+        overridden = self.overrides.describe()
+        self.set_status(f"ready: {event.request.model} (draft {draft})" + (f" · {overridden}" if overridden else ""))
+        for note in event.runner.notes:
+            self.notify(note, title="note", severity="warning", timeout=10)
         if old is None and self.resume is not None:
             await self.show_conversation(self.resume)
 
@@ -229,13 +247,18 @@ class EdgerunApp(App):
     @work(thread=True, exclusive=True, group="generate")
     def generate(self, text: str, stats: ReplyStats, cancel: threading.Event) -> None:
         try:
-            records = self.session.reply(text, self.prefs.sampling, max_tokens=self.prefs.max_tokens,
-                                         cancel=cancel, stats=stats)
+            records = self.session.reply(text, self.overrides.sampling_for(self.prefs),
+                                         max_tokens=self.effective.max_tokens, cancel=cancel, stats=stats)
             for record in records:
                 if isinstance(record, Step) and record.text:
                     self._incoming.append((record.text, record.from_draft))  # the UI tick takes it
         except EdgerunError as exc:
             self.post_message(ReplyDone("interrupted", str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001  the worker must report, not die and take the app down
+            self.post_message(ReplyDone("interrupted", f"the reply stopped on an unexpected error"
+                                                       f" ({type(exc).__name__}: {exc}); send it again or start"
+                                                       " a new conversation (Ctrl+N)"))
             return
         finally:
             self._generation_idle.set()
@@ -332,7 +355,7 @@ class EdgerunApp(App):
             transcript.add(Entry(m.role, m.content, status=m.status))
         if self.session is not None:
             self.session = ChatSession(self.session.runner, self.history, model_name=self.model_spec,
-                                       system=self.prefs.system_prompt, conversation_id=conv_id)
+                                       system=self.effective.system_prompt, conversation_id=conv_id)
         transcript.scroll_end(animate=False)
 
     async def action_new_conversation(self) -> None:
@@ -376,14 +399,19 @@ class EdgerunApp(App):
         self.notify("code block copied")
 
     def apply_settings(self, prefs) -> None:
-        """Save new settings; reload the model when what speculation uses changed."""
-        old, self.prefs = self.prefs, prefs
+        """Save new settings; reload the model when what speculation uses changed. A setting the
+        user changes here stops being overridden by the command line."""
+        old, before, self.prefs = self.prefs, self.effective, prefs
         user_settings.save(prefs)
+        changed = {f.name for f in dataclasses.fields(prefs) if getattr(old, f.name) != getattr(prefs, f.name)}
+        self.overrides = self.overrides.without(changed)
+        now = self.effective
         if self.session is not None:
-            self.session.system = prefs.system_prompt
-        if (old.draft, old.ngram, old.spec_k) != (prefs.draft, prefs.ngram, prefs.spec_k):
-            self.request_load(self.model_spec, prefs.draft)
-        self.notify("settings saved")
+            self.session.system = now.system_prompt
+        if (before.draft, before.ngram, before.spec_k) != (now.draft, now.ngram, now.spec_k):
+            self.request_load(self.model_spec, now.draft)
+        still = self.overrides.describe()
+        self.notify(f"settings saved ({still} still wins this run)" if still else "settings saved")
 
     def action_models(self) -> None:
         from edgerun.tui.screens import ModelScreen
