@@ -81,8 +81,8 @@ class _Helper:
             return json.loads(self._read_line(time.monotonic() + TIME_LIMIT_S))
         except TimeoutError:
             self.kill()
-            raise InvalidModelFile(f"the model's chat template ran past its {TIME_LIMIT_S:g} s limit "
-                                   f"(a loop that does not end?); {_HINT}") from None
+            raise InvalidModelFile(f"the model's chat template ran longer than its {TIME_LIMIT_S:g} s limit "
+                                   f"(a runaway loop or value?); {_HINT}") from None
         except (EOFError, BrokenPipeError):
             self.kill()
             raise InvalidModelFile(f"the model's chat template crashed its renderer (over its "
