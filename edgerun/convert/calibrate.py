@@ -8,9 +8,6 @@ architecture llama.cpp runs."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +16,7 @@ from typing import Callable
 import numpy as np
 
 from edgerun import _native
+from edgerun.convert.atomic import atomic_path
 from edgerun.errors import ConvertError, EdgerunError
 from edgerun.runtime.engine import Context, Model
 from edgerun.settings import EngineSettings, physical_cores
@@ -39,20 +37,13 @@ class Imatrix:
     chunks: int
 
     def save(self, path: str | Path) -> Path:
-        """Write as .npz (no pickled objects), atomically."""
+        """Write as .npz (no pickled objects), atomically and durably."""
         path = Path(path)
         arrays = {f"w:{name}": np.asarray(v, dtype=np.float32) for name, v in self.values.items()}
         arrays[_META[0]] = np.array(self.tokens, dtype=np.int64)
         arrays[_META[1]] = np.array(self.chunks, dtype=np.int64)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        with atomic_path(path) as tmp, open(tmp, "xb") as f:
+            np.savez(f, **arrays)
         return path
 
     @classmethod

@@ -10,7 +10,6 @@ generation_config.json come from the GGUF's metadata."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ import gguf
 import numpy as np
 from gguf import GGUFReader
 
+from edgerun.convert.atomic import publish, temp_name
 from edgerun.convert.fixture_vocab import field, tokenizer_files
 from edgerun.convert.hf_reader import HF_CLASS, HF_MODEL_TYPE, SUPPORTED_ARCHS
 from edgerun.errors import ConvertError
@@ -216,7 +216,7 @@ def make_hf_fixture(gguf_path: Path, out_dir: Path, *, dtype: str = "bf16", shar
     arch = _arch(reader)
     tok_json, tok_config, ids = tokenizer_files(reader)
     config = make_config(reader, dtype=dtype, special_ids=ids)
-    tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
+    tmp = temp_name(out_dir)
     tmp.mkdir(parents=True)
     try:
         _write_shards(tmp, _tensors(reader, arch, dtype, progress), shard_bytes)
@@ -225,7 +225,7 @@ def make_hf_fixture(gguf_path: Path, out_dir: Path, *, dtype: str = "bf16", shar
         _dump(tmp / "tokenizer_config.json", tok_config)
         generation = {k: v for k, v in config.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         _dump(tmp / "generation_config.json", {**generation, "do_sample": False})
-        os.replace(tmp, out_dir)
+        publish(tmp, out_dir)  # every file fsynced, then the directory renamed into place
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

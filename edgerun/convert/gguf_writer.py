@@ -10,7 +10,6 @@ stored as w where the model multiplies by (1 + w), llama.cpp by the weight itsel
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
+from edgerun.convert.atomic import atomic_path
 from edgerun.convert.hf_reader import HFCheckpoint
 from edgerun.convert.hf_vocab import Vocab, load_vocab
 from edgerun.errors import ConvertError
@@ -217,31 +217,27 @@ def _metadata(w: gguf.GGUFWriter, ckpt: HFCheckpoint, vocab: Vocab, ftype) -> No
 
 
 def write_gguf(ckpt: HFCheckpoint, out: Path, *, out_type: str = "F16", progress: Progress | None = None) -> Path:
-    """Write CKPT as a GGUF at OUT (atomically: a temp file renamed into place at the end)."""
+    """Write CKPT as a GGUF at OUT (atomically and durably: a temp file renamed into place at the end)."""
     if out_type not in OUT_TYPES:
         raise ConvertError(f"output type {out_type!r} is not supported; use one of {', '.join(OUT_TYPES)}")
     qtype, ftype = OUT_TYPES[out_type]
     vocab = load_vocab(ckpt.root, ckpt.arch, ckpt.config.get("vocab_size"))
     planned = plan_tensors(ckpt, len(vocab.tokens), qtype)
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    w = gguf.GGUFWriter(tmp, ckpt.arch)
-    try:
-        _metadata(w, ckpt, vocab, ftype)
-        for t in planned:
-            w.add_tensor_info(t.name, t.shape, np.dtype(_np_dtype(t.qtype)), _nbytes(t),
-                              raw_dtype=t.qtype if t.qtype == QType.BF16 else None)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for i, t in enumerate(planned):
-            w.write_tensor_data(tensor_data(ckpt, t))
-            if progress:
-                progress("write GGUF", i + 1, len(planned))
-        w.close()
-        os.replace(tmp, out)
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(out) as tmp:
+        w = gguf.GGUFWriter(tmp, ckpt.arch)
+        try:
+            _metadata(w, ckpt, vocab, ftype)
+            for t in planned:
+                w.add_tensor_info(t.name, t.shape, np.dtype(_np_dtype(t.qtype)), _nbytes(t),
+                                  raw_dtype=t.qtype if t.qtype == QType.BF16 else None)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            for i, t in enumerate(planned):
+                w.write_tensor_data(tensor_data(ckpt, t))
+                if progress:
+                    progress("write GGUF", i + 1, len(planned))
+        finally:
+            w.close()
     return out

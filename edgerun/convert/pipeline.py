@@ -15,7 +15,6 @@ import os
 import re
 import resource
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from edgerun import paths
 from edgerun.convert import gains
 from edgerun.convert import plan as planner
 from edgerun.convert import report
+from edgerun.convert.atomic import atomic_path
 from edgerun.convert.sensitivity import TensorCost
 from edgerun.errors import ConvertError
 
@@ -343,17 +343,8 @@ def _capture_llama_log(lines: list[str]):
 
 def _copy_atomic(src: Path, dst: Path) -> None:
     """--keep-f16: a hard link when on the same file system (instant), else a copy; atomic."""
-    dst = dst.expanduser()
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".part")
-    os.close(fd)
-    try:
+    with atomic_path(dst.expanduser()) as tmp:
         try:
-            os.unlink(tmp)
             os.link(src, tmp)
         except OSError:
             shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise

@@ -2,16 +2,15 @@
 
 llama_model_quantize has no abort callback, so it runs in a child process (`python -m
 edgerun.convert.quantize`): Ctrl-C, or any exception (e.g. from a progress callback), kills the
-child and removes its half-written temp file; the destination only ever appears whole, by rename."""
+child and removes its half-written temp file; the destination only ever appears whole, by rename
+(after an fsync, see atomic.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import llama_cpp
 import numpy as np
 
 from edgerun import _native
+from edgerun.convert.atomic import atomic_path
 from edgerun.convert.calibrate import Imatrix
 from edgerun.convert.sensitivity import block_size
 from edgerun.errors import ConvertError
@@ -80,20 +80,15 @@ def quantize(src: Path, dst: Path, *, ftype: str, overrides: dict[str, str], ima
         "n_threads": n_threads or 0,  # 0: llama.cpp uses every core
         "overrides": check_overrides(src, overrides),
     }
-    # llama.cpp creates the temp file itself (so it gets the usual permissions); the random part
-    # keeps two runs into one directory apart
-    tmp = str(dst.parent / f".{dst.name}.{secrets.token_hex(4)}.part")
-    imatrix_path = None
-    try:
-        if imatrix is not None:
-            imatrix_path = imatrix.save(tmp + ".imatrix.npz")
-        _run_child(job, tmp, imatrix_path, progress)
-        os.replace(tmp, dst)
-    finally:
-        for path in (tmp, imatrix_path):
-            if path is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+    with atomic_path(dst) as tmp:  # llama.cpp creates it (so it gets the usual permissions)
+        imatrix_path = None
+        try:
+            if imatrix is not None:
+                imatrix_path = imatrix.save(tmp.with_name(tmp.name + ".imatrix.npz"))
+            _run_child(job, str(tmp), imatrix_path, progress)
+        finally:
+            if imatrix_path is not None:
+                imatrix_path.unlink(missing_ok=True)
     return dst
 
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import re
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -22,6 +20,7 @@ from typing import Callable, Sequence
 import gguf
 import numpy as np
 
+from edgerun.convert.atomic import atomic_path
 from edgerun.errors import ConvertError
 
 Progress = Callable[[str, int, int], None]
@@ -169,16 +168,9 @@ class _Accumulator:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Temp file in the same directory, then rename; on any exception (Ctrl-C too) no trace."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Temp file in the same directory, fsynced, then renamed; on any exception (Ctrl-C too) no trace."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 # --- the report of one conversion ---
