@@ -56,6 +56,8 @@ double quant_error(ggml_type type, const float* w, int64_t n_rows, int64_t n_col
     if (!has_quantizer || (ggml_quantize_requires_imatrix(type) && !importance))
         throw std::invalid_argument(std::string("ggml cannot quantize to ") + ggml_type_name(type) +
                                     (has_quantizer ? " without an importance matrix" : ""));
+    // ggml_quantize_chunk checks start % n_per_row: rows of no values divide by zero (SIGFPE)
+    if (n_cols <= 0) throw std::invalid_argument("rows of 0 values cannot be quantized");
     if (n_cols % ggml_blck_size(type) != 0)
         throw std::invalid_argument(std::string("rows of ") + std::to_string(n_cols) + " values cannot be stored as " +
                                     ggml_type_name(type));

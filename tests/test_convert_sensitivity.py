@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -120,3 +123,39 @@ def test_sizes_come_from_ggml_block_layout():
         type_nbytes("Q4_K", 100)
     with pytest.raises(ConvertError, match="unknown tensor type"):
         block_size("Q9_X")
+
+
+_MEASURE_IN_CHILD = """
+import sys
+import gguf
+import numpy as np
+from edgerun import _native
+from edgerun.convert.sensitivity import measure
+from edgerun.errors import ConvertError
+try:
+    measure(sys.argv[1], None, ["Q8_0", "F16"], max_rows=8, n_threads=1)
+except ConvertError as exc:
+    print("ConvertError:", exc)
+try:  # the native entry refuses it too, for callers other than measure
+    _native.quant_error(int(gguf.GGMLQuantizationType.Q8_0), np.zeros((4, 0), np.float32), None, 1)
+except ValueError as exc:
+    print("ValueError:", exc)
+"""
+
+
+def test_zero_width_tensor_is_refused_not_a_sigfpe(tmp_path):
+    """ggml's quantizer takes `start % n_per_row`: rows of 0 values divide by zero and the signal
+    ends the process. A child process, so that such a crash fails this test instead of pytest."""
+    path = tmp_path / "zero-width.gguf"
+    w = gguf.GGUFWriter(path, "qwen2")
+    w.add_tensor("blk.0.attn_k.weight", np.ones((4, 32), np.float16))
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 0), np.float16))  # 4 rows of no values
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    proc = subprocess.run([sys.executable, "-c", _MEASURE_IN_CHILD, str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert "ConvertError: blk.0.attn_q.weight: an empty tensor (0 x 4 values)" in proc.stdout
+    assert "ValueError: rows of 0 values cannot be quantized" in proc.stdout

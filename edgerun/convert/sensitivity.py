@@ -95,6 +95,9 @@ def importance_for(imatrix: Imatrix | None, name: str, row_len: int) -> np.ndarr
 def tensor_cost(tensor: gguf.ReaderTensor, imatrix: Imatrix | None, types: Sequence[str], *,
                 max_rows: int | None, n_threads: int) -> TensorCost:
     row_len, n_rows = int(tensor.shape[0]), int(tensor.shape[1])
+    if row_len == 0 or n_rows == 0:  # ggml's quantizer divides by the row length (SIGFPE at 0)
+        raise ConvertError(f"{tensor.name}: an empty tensor ({row_len} x {n_rows} values) cannot be quantized; "
+                           "the GGUF is malformed, convert it again from its source")
     rows = sample_rows(n_rows, max_rows)
     w = np.ascontiguousarray(read_rows(tensor, rows))
     imp = importance_for(imatrix, tensor.name, row_len)
