@@ -10,6 +10,8 @@ architectures edgerun converts (llama, qwen2, gemma3); the generic ones hold for
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from gguf import GGUFReader
 from gguf import GGUFValueType as VT
@@ -102,6 +104,8 @@ def check(reader: GGUFReader, arch: str) -> None:
     n_layer = _layers(meta)
     _experts(meta, n_layer)
     _attention(meta, n_layer)
+    _floats(meta)
+    _sliding_window(meta, n_layer)
     _vocab(meta)
 
 
@@ -181,11 +185,42 @@ def _rope_dims(meta: _Meta, key: str, head_k: int, head_v: int) -> None:
     assert the rope covers the whole head and the value head matches the key head."""
     key = meta.key(key)
     n_rot = meta.uint32(key, head_k)
-    if head_k == 0 or n_rot > head_k or n_rot % 2:
-        raise Refused(f"{key} is {n_rot}, which must be even and at most the head size {head_k}")
+    if not 0 < n_rot <= head_k or n_rot % 2:  # 0: ggml's rope loops on no dimensions
+        raise Refused(f"{key} is {n_rot}; it must be even, 2 to the head size {head_k}")
     if meta.arch in _ROPE_IS_HEAD and not n_rot == head_k == head_v:
         raise Refused(f"{key} ({n_rot}), the key head ({head_k}) and the value head ({head_v}) differ;"
                       f" llama.cpp's {meta.arch} needs them equal")
+
+
+def _floats(meta: _Meta) -> None:
+    """A NaN or infinite hyper-parameter means nothing; a norm epsilon that is not >= 0 trips
+    ggml's rms_norm assert on the first decode."""
+    prefix = meta.key("{arch}.")
+    for key, f in meta.fields.items():
+        if key.startswith(prefix) and f.types in ([VT.FLOAT32], [VT.FLOAT64]):
+            value = float(f.parts[f.data[0]][0])
+            if not math.isfinite(value):
+                raise Refused(f"{key} is {value}")
+            if key.endswith("epsilon") and value < 0:
+                raise Refused(f"{key} is {value}; a norm epsilon cannot be negative")
+
+
+def _sliding_window(meta: _Meta, n_layer: int) -> None:
+    """gemma3 with a sliding window builds an interleaved KV cache, which asserts that some layer
+    slides: llama.cpp's set_swa_pattern(n) makes layer il slide when n == 0 or il % n < n - 1."""
+    if meta.arch != "gemma3" or not meta.uint32(meta.key("{arch}.attention.sliding_window"), 0):
+        return
+    key = meta.key("{arch}.attention.sliding_window_pattern")
+    arr = meta.array(key)
+    if arr is not None:
+        if arr[0] not in (VT.BOOL, VT.INT32, VT.UINT32) or len(arr[1]) > LLAMA_MAX_LAYERS:
+            raise Refused(f"{key} must be at most {LLAMA_MAX_LAYERS} BOOL, INT32 or UINT32 values")
+        slides = bool(np.any(arr[1][:n_layer]))
+    else:
+        n = meta.uint32(key, 6)
+        slides = any(n == 0 or il % n < n - 1 for il in range(n_layer))
+    if not slides:
+        raise Refused(f"{key} leaves no layer of the {n_layer} on the sliding window the file declares")
 
 
 def _vocab(meta: _Meta) -> None:
