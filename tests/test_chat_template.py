@@ -1,8 +1,11 @@
 """Chat templates come from untrusted files: rendered only inside Jinja's sandbox, in a helper
 process whose time, memory and output are bounded. Every failure is one InvalidModelFile line."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -196,3 +199,31 @@ def test_gemma_template_from_a_gguf_renders_as_before(tmp_path):
         "<start_of_turn>model\n")
     assert chat_template.render(template, CONVERSATION, bos="<bos>", eos="<eos>") == \
         _in_process(template, CONVERSATION, "<bos>", "<eos>")
+
+
+@pytest.fixture(scope="module")
+def gguf_with_template(tmp_path_factory):
+    """A tiny random-weight model whose GGUF carries the given chat template."""
+    from edgerun.convert.gguf_writer import write_gguf
+    from edgerun.convert.hf_reader import open_checkpoint
+    from edgerun.convert.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("hostile")
+    hf = write_tiny_checkpoint(root / "hf", "qwen2")
+
+    def write(template: str):
+        config = json.loads((hf / "tokenizer_config.json").read_text())
+        (hf / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+        return write_gguf(open_checkpoint(hf), root / f"{abs(hash(template))}.gguf")
+    return write
+
+
+@pytest.mark.parametrize("name", ["nested ranges", "ljust", "zero division"])
+def test_the_cli_prints_one_line_and_raw_still_runs(name, gguf_with_template):
+    model = str(gguf_with_template(HOSTILE[name]))
+    cli = [sys.executable, "-m", "edgerun.cli", "run", "hi", "-m", model, "-n", "4", "--ctx", "512"]
+    proc = subprocess.run(cli, capture_output=True, text=True, timeout=60 + BOUND_S)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("edgerun: error: the model's chat template ") and proc.stderr.count("\n") == 1
+    assert proc.stderr.rstrip().endswith("use --raw to skip it")
+    assert subprocess.run([*cli, "--raw"], capture_output=True, timeout=60).returncode == 0  # as it says

@@ -69,8 +69,11 @@ class _Helper:
                 cwd=package_root, bufsize=0)
         except OSError as exc:
             raise EngineError(f"cannot start the chat template renderer ({exc}); {_HINT}") from None
+        self._buf = bytearray()
         try:
-            self._read_line(time.monotonic() + START_TIMEOUT_S)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while self._read_line(deadline) != b"ready":
+                pass  # whatever a site hook printed before the helper took over its stdout
         except (TimeoutError, EOFError):
             self.kill()
             raise EngineError(f"the chat template renderer did not start ({sys.executable}); {_HINT}") from None
@@ -97,17 +100,18 @@ class _Helper:
             view = view[os.write(self.proc.stdin.fileno(), view):]
 
     def _read_line(self, deadline: float) -> bytes:
-        buf = bytearray()
         fd = self.proc.stdout.fileno()
-        while (end := buf.find(b"\n")) < 0:
+        while (end := self._buf.find(b"\n")) < 0:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
                 raise TimeoutError
             chunk = os.read(fd, 1 << 20)
             if not chunk:
                 raise EOFError
-            buf += chunk
-        return bytes(buf[:end])
+            self._buf += chunk
+        line = bytes(self._buf[:end])
+        del self._buf[:end + 1]
+        return line
 
     def alive(self) -> bool:
         return self.pid == os.getpid() and self.proc.poll() is None
