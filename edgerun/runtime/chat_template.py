@@ -29,6 +29,8 @@ from pathlib import Path
 
 from edgerun.errors import EngineError, InvalidModelFile
 
+# jinja2 is imported only where a template is compiled: in the helper, not in edgerun itself
+
 # Used when a GGUF carries no template: plain ChatML, which most instruct models understand.
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -36,8 +38,8 @@ CHATML = (
 )
 
 TIME_LIMIT_S = 2.0  # a real template renders in milliseconds; this is for one that never ends
-MEMORY_LIMIT_BYTES = 512 << 20  # the helper's address space (the interpreter itself needs ~50 MiB)
-OUTPUT_LIMIT_CHARS = 1 << 20  # how much longer than 4x its request (messages, template) a prompt may be
+MEMORY_LIMIT_BYTES = 512 << 20  # the helper's address space (its interpreter and Jinja take ~25 MiB)
+OUTPUT_LIMIT_CHARS = 1 << 20  # a prompt may be 4x its request (messages, template) plus this much
 START_TIMEOUT_S = 60.0  # the helper's interpreter start and import on a loaded machine
 _HINT = "use --raw to skip it"
 
@@ -45,7 +47,7 @@ _HINT = "use --raw to skip it"
 def render(template: str | None, messages: list[dict], *, bos: str = "", eos: str = "") -> str:
     """The prompt text for `messages`, ending with the assistant's turn opened. InvalidModelFile if
     the template fails, runs past TIME_LIMIT_S, needs more than MEMORY_LIMIT_BYTES or writes more
-    than OUTPUT_LIMIT_CHARS beyond 4x the messages' size."""
+    than 4x its request plus OUTPUT_LIMIT_CHARS."""
     request = json.dumps({"template": template or CHATML, "messages": messages, "bos": bos, "eos": eos})
     with _lock:
         reply = _helper().ask(request.encode() + b"\n")
