@@ -65,7 +65,7 @@ def test_none_fields_are_left_out_and_come_back_as_none(home):
 
 @hsettings(max_examples=150, deadline=None)
 @given(prompt=st.text(), temperature=st.floats(0, 5), top_p=st.floats(0, 1, exclude_min=True),
-       top_k=st.integers(0, 2**31), draft=st.text(min_size=1).filter(str.strip))
+       top_k=st.integers(0, user_settings.TOP_K_MAX), draft=st.text(min_size=1).filter(str.strip))
 def test_any_value_round_trips_through_the_writer(prompt, temperature, top_p, top_k, draft):
     mine = UserSettings(temperature=temperature, top_p=top_p, top_k=top_k, system_prompt=prompt, draft=draft)
     assert user_settings.from_dict(tomllib.loads(user_settings.dumps(mine))) == (mine, [])
@@ -92,7 +92,8 @@ def test_bad_values_fall_back_with_a_warning_each(home):
 
 
 @pytest.mark.parametrize("text", ["top_p = 0.0", "temperature = nan", "temperature = inf",
-                                  "temperature = true", "top_k = 4.0", "spec_k = -1"])
+                                  "temperature = true", "top_k = 4.0", "spec_k = -1",
+                                  "top_k = 2147483648"])  # more than the native sampler's int32
 def test_edge_values_are_rejected(home, text):
     write(home, text + "\n")
     s, warnings = load()
