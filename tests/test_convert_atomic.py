@@ -126,12 +126,15 @@ def test_killed_writer_leaves_no_output_and_the_next_run_sweeps_its_temp(tmp_pat
     assert len(gguf.GGUFReader(out).tensors) > 5
 
 
-def test_a_live_writers_temp_is_left_alone(tmp_path):
+def test_only_dead_writers_temps_are_swept(tmp_path):
     dst = tmp_path / "report.json"
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = tmp_path / f".{dst.name}.{int(gone.stdout)}.0123abcd.part"
     live = tmp_path / f".{dst.name}.{os.getpid()}.4567cdef.part"
-    dead.write_text("left by a killed writer")
-    live.write_text("being written by this process")
+    beside = tmp_path / f"{dead.name}.imatrix.npz"  # what quantize writes beside its temp
+    foreign = tmp_path / f".{dst.name}.{int(gone.stdout)}.notes.part"  # not a name temp_name makes
+    for path in (dead, live, beside, foreign):
+        path.write_text("some bytes")
     report.write_text_atomic(dst, "{}\n")
-    assert dst.read_text() == "{}\n" and live.exists() and not dead.exists()
+    assert dst.read_text() == "{}\n"
+    assert live.exists() and foreign.exists() and not dead.exists() and not beside.exists()

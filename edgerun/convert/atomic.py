@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,10 +29,12 @@ def sweep(dst: Path) -> None:
     """Remove what killed writers of DST left behind: temporaries whose writer process is gone
     (a killed conversion would otherwise leave a model-sized file in the cache for good). A live
     writer's temporary, in this process or another, is left alone."""
-    prefix = f".{dst.name}."
-    for path in Path(dst).parent.glob(f"{glob.escape(prefix)}*.part*"):
-        pid = path.name[len(prefix):].split(".", 1)[0]
-        if pid.isdigit() and path.is_file() and not _alive(int(pid)):
+    dst = Path(dst)
+    # temp_name's pattern exactly, and what is written beside a temp (quantize's imatrix)
+    ours = re.compile(rf"\.{re.escape(dst.name)}\.(\d+)\.[0-9a-f]{{8}}\.part(\..+)?")
+    for path in dst.parent.glob(f".{glob.escape(dst.name)}.*.part*"):
+        m = ours.fullmatch(path.name)
+        if m and path.is_file() and not _alive(int(m.group(1))):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
