@@ -12,7 +12,6 @@ import time
 import pytest
 
 from edgerun.errors import InvalidModelFile
-from edgerun.models import gguf_check
 from edgerun.runtime import chat_template
 
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
@@ -145,7 +144,7 @@ def test_a_runaway_template_in_a_worker_thread_ends():
 def test_interrupted_render_does_not_answer_the_next_turn():
     """Ctrl+C mid-render: the helper's late answer must not become the next prompt."""
     chat_template.render(None, MSGS)
-    # about half a second here: it answers well after the interrupt and well within its limit
+    # about half a second here: it would answer after the interrupt and well within its limit
     slow = "{% for i in range(100000) %}{% for j in range(30) %}{% endfor %}{% endfor %}late"
     timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
@@ -154,8 +153,13 @@ def test_interrupted_render_does_not_answer_the_next_turn():
             chat_template.render(slow, MSGS)
     finally:
         timer.cancel()
-    time.sleep(chat_template.TIME_LIMIT_S)  # long enough for a surviving helper to have answered
     assert chat_template.render(None, MSGS) == CHATML_MSGS
+
+
+def _template_of(gguf) -> str | None:
+    from edgerun.models import gguf_check
+
+    return gguf_check.inspect(gguf).chat_template
 
 
 def _in_process(template: str, messages: list[dict], bos: str, eos: str) -> str:
@@ -172,7 +176,7 @@ CONVERSATION = [{"role": "system", "content": "You write Python."}] + [
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["small_model", "target_model", "other_vocab_model"])
 def test_catalog_templates_render_as_before(model, request):
-    template = gguf_check.inspect(request.getfixturevalue(model)).chat_template  # None: ChatML
+    template = _template_of(request.getfixturevalue(model))  # None: ChatML
     assert chat_template.render(template, CONVERSATION, eos="<|im_end|>") == \
         _in_process(template or chat_template.CHATML, CONVERSATION, "", "<|im_end|>")
 
@@ -180,7 +184,7 @@ def test_catalog_templates_render_as_before(model, request):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["small_model", "target_model"])
 def test_qwen_templates_render_as_before(model, request):
-    template = gguf_check.inspect(request.getfixturevalue(model)).chat_template
+    template = _template_of(request.getfixturevalue(model))
     assert chat_template.render(template, MSGS[1:]) == (
         "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
@@ -193,7 +197,7 @@ def test_gemma_template_from_a_gguf_renders_as_before(tmp_path):
     from edgerun.convert.tiny import write_tiny_checkpoint
 
     gguf = write_gguf(open_checkpoint(write_tiny_checkpoint(tmp_path / "hf", "gemma3")), tmp_path / "tiny.gguf")
-    template = gguf_check.inspect(gguf).chat_template
+    template = _template_of(gguf)
     assert chat_template.render(template, MSGS, bos="<bos>") == (
         "<bos><start_of_turn>system\nbe brief<end_of_turn>\n<start_of_turn>user\nhi<end_of_turn>\n"
         "<start_of_turn>model\n")
