@@ -631,3 +631,29 @@ def test_memo_does_not_hide_truncation(valid, layout, tmp_path):
     with open(path, "r+b") as f:
         f.truncate(layout.data_end - 1)
     assert_refused(path)
+
+
+def test_memo_from_other_rules_is_not_trusted(tmp_path, monkeypatch):
+    """A result remembered under other rules (an older edgerun's, which let zero blocks through)
+    is parsed again under today's, which refuse the file."""
+    path = write_gguf(tmp_path / "zero-blocks.gguf", override={"llama.block_count": (0, VT.UINT32)})
+    with monkeypatch.context() as m:
+        m.setattr(gguf_check, "_MEMO_VERSION", "older-rules")
+        m.setattr(gguf_check.gguf_hparams, "check", lambda *a: None)
+        assert inspect(path).n_layers == 0
+    assert len(_memo_files()) == 1
+    assert_refused(path, "llama.block_count is 0")
+
+
+def test_memo_version_follows_the_rules_source(tmp_path):
+    """The memo's version is derived from the validator's own source: the same bytes give the
+    same version, a changed rule a new one."""
+    rules = [Path(p) for p in gguf_check._RULES]
+    assert gguf_check._MEMO_VERSION == gguf_check._rules_version()
+    copies = [tmp_path / f"{i}-{p.name}" for i, p in enumerate(rules)]
+    for src, dst in zip(rules, copies):
+        shutil.copyfile(src, dst)
+    assert gguf_check._rules_version(tuple(map(str, copies))) == gguf_check._MEMO_VERSION
+    hparams = copies[[p.name for p in rules].index("gguf_hparams.py")]
+    hparams.write_text(hparams.read_text().replace("LLAMA_MAX_LAYERS = 512", "LLAMA_MAX_LAYERS = 1024"))
+    assert gguf_check._rules_version(tuple(map(str, copies))) != gguf_check._MEMO_VERSION

@@ -7,7 +7,6 @@ so only well-formed files reach native code."""
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -18,23 +17,18 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, MODEL_ARCH_NAMES
 
 from edgerun import paths
 from edgerun.errors import InvalidModelFile, ModelNotFound
-from edgerun.models import gguf_hparams
+from edgerun.models import gguf_bounded, gguf_hparams
+from edgerun.models.gguf_bounded import MAX_KEYS, MAX_TENSORS, BoundedReader, PastEnd
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 KNOWN_ARCHS = frozenset(MODEL_ARCH_NAMES.values())
 _MAX_DIMS = 4
 _MAX_NAME = 63  # llama.cpp keeps tensor names in 64-byte buffers (GGML_MAX_NAME)
-# Caps far above any real model, so a hostile count is refused before anything loops over it
-# (the largest vocabularies carry ~1M array items across tokens, scores, types and merges).
-_MAX_TENSORS = 1 << 16
-_MAX_KEYS = 1 << 16
-_MAX_ARRAY_ITEMS = 1 << 22
 _INT_TYPES = frozenset({
     GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
     GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64,
@@ -82,85 +76,6 @@ def _fail(path: Path, what: str) -> InvalidModelFile:
     return InvalidModelFile(_one_line(f"{path}: {what}; re-download it (edgerun pull) or pick another file"))
 
 
-class _PastEnd(ValueError):
-    """A read that would run past the end of the file."""
-
-
-class _BoundedReader(GGUFReader):
-    """gguf-py's reader, stopped at the first read past the end of the file, and quick on arrays.
-
-    gguf-py reads through numpy slices of a memmap, which silently come back short at the end of
-    the file: a truncated file then parses on into garbage, and an array that claims 2**64 items
-    loops on empty reads forever, growing a list each time. Here a short read is an error, and an
-    array may claim no more items than the bytes left could hold, nor more than _MAX_ARRAY_ITEMS
-    in all. gguf-py also parses an array item by item (~20 us and ~1 KB each), so a 4 MB file of
-    tiny items would take a minute; here an array is one part: a numpy view of its values, or for
-    strings an (n, 2) array of each string's (start, length) in the file. Hooks gguf-py's private
-    _get/_get_field_parts, so gguf stays pinned in pyproject."""
-
-    def __init__(self, path: Path):
-        self._array_items = 0
-        super().__init__(path, "r")
-
-    def _get(self, offset, dtype, count=1, override_order=None):
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
-        if end > len(self.data):
-            raise _PastEnd(f"needs bytes up to {end}, the file has {len(self.data)}")
-        return super()._get(offset, dtype, count, override_order)
-
-    def _get_field_parts(self, orig_offs, raw_type):
-        if raw_type != GGUFValueType.ARRAY:
-            return super()._get_field_parts(orig_offs, raw_type)
-        raw_itype = self._get(orig_offs, np.uint32)
-        alen = self._get(orig_offs + 4, np.uint64)
-        item_type, count, start = int(raw_itype[0]), int(alen[0]), orig_offs + 12
-        left = len(self.data) - start
-        self._array_items += count
-        if count * _min_item_bytes(item_type) > left:
-            raise ValueError(f"metadata array at byte {orig_offs} claims {count} items; {left} bytes are left")
-        if self._array_items > _MAX_ARRAY_ITEMS:
-            raise ValueError(f"metadata arrays claim over {_MAX_ARRAY_ITEMS} items, more than any real model")
-        vtype = GGUFValueType(item_type)
-        if vtype == GGUFValueType.STRING:
-            values, end = _string_spans(self.data, start, count)
-        else:
-            values = self._get(start, self.gguf_scalar_to_np[vtype], count)
-            end = start + values.nbytes
-        return end - orig_offs, [raw_itype, alen, values], [2], [GGUFValueType.ARRAY, vtype]
-
-
-def _string_spans(data: np.ndarray, offs: int, count: int) -> tuple[np.ndarray, int]:
-    """Each of COUNT length-prefixed strings from OFFS: (start, length) rows, and where they end."""
-    spans = array.array("q")
-    size = len(data)
-    length_at = struct.Struct("<Q").unpack_from
-    buf = memoryview(data)
-    for _ in range(count):
-        if offs + 8 > size:
-            raise _PastEnd(f"needs bytes up to {offs + 8}, the file has {size}")
-        (n,) = length_at(buf, offs)
-        offs += 8
-        if n > size - offs:
-            raise _PastEnd(f"a string of {n} bytes at {offs} runs past the end ({size})")
-        spans.append(offs)
-        spans.append(n)
-        offs += n
-    return np.frombuffer(spans, dtype=np.int64).reshape(-1, 2), offs
-
-
-def _min_item_bytes(item_type: int) -> int:
-    """The fewest bytes one array item of this type takes (a string: its length field)."""
-    try:
-        vtype = GGUFValueType(item_type)
-    except ValueError:
-        raise ValueError(f"unknown metadata array item type {item_type}") from None
-    if vtype == GGUFValueType.ARRAY:
-        raise ValueError("a metadata array of arrays (llama.cpp reads none)")
-    if vtype == GGUFValueType.STRING:
-        return 8
-    return np.dtype(GGUFReader.gguf_scalar_to_np[vtype]).itemsize
-
-
 def _header_check(path: Path, size: int) -> None:
     if size < 24:
         raise _fail(path, f"not a GGUF file (only {size} bytes)")
@@ -179,7 +94,7 @@ def _header_check(path: Path, size: int) -> None:
     # each tensor-info entry takes at least 24 bytes and each key/value at least 12
     if n_tensors * 24 + n_kv * 12 > size:
         raise _fail(path, f"corrupt header: {n_tensors} tensors and {n_kv} keys cannot fit in {size} bytes")
-    if n_tensors > _MAX_TENSORS or n_kv > _MAX_KEYS:
+    if n_tensors > MAX_TENSORS or n_kv > MAX_KEYS:
         raise _fail(path, f"corrupt header: {n_tensors} tensors and {n_kv} keys, more than any real model")
 
 
@@ -271,8 +186,8 @@ def _check_tensors(path: Path, reader: GGUFReader, size: int) -> tuple[list[int]
 def _parse(path: Path, size: int) -> GGUFInfo:
     _header_check(path, size)
     try:
-        reader = _BoundedReader(path)
-    except _PastEnd as exc:
+        reader = BoundedReader(path)
+    except PastEnd as exc:
         raise _fail(path, f"data runs past the end of the file ({exc}; truncated download?)") from None
     except Exception as exc:  # gguf-py raises many kinds on malformed input; all mean "corrupt"
         raise _fail(path, f"corrupt GGUF ({type(exc).__name__}: {str(exc)[:120]})") from None
@@ -329,12 +244,16 @@ def _parse(path: Path, size: int) -> GGUFInfo:
     )
 
 
-def _rules_version() -> str:
+_RULES = (__file__, gguf_bounded.__file__, gguf_hparams.__file__)
+
+
+def _rules_version(sources: tuple[str, ...] = _RULES) -> str:
     """A remembered result is only as good as the rules that produced it: the memo is keyed by
-    the validator's own source (this module and gguf_hparams) and the gguf-py that parses."""
+    the validator's own source (this module, gguf_bounded, gguf_hparams) and gguf-py's version,
+    so any change to a rule invalidates every result remembered under the old ones."""
     h = hashlib.sha256(importlib.metadata.version("gguf").encode())
-    for module in (__file__, gguf_hparams.__file__):
-        h.update(Path(module).read_bytes())
+    for source in sources:
+        h.update(Path(source).read_bytes())
     return h.hexdigest()[:16]
 
 

@@ -1,0 +1,121 @@
+"""gguf_bounded: validation stays cheap on hostile metadata. A file of a few MB with millions of
+array items, hundreds of thousands of strings or tokens, nested arrays, or tens of thousands of
+tensors is refused or accepted within the issue's 2 s of CPU and little memory, each measured in
+a child process of its own (peak RSS growth, so nothing earlier in the process hides it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gguf import GGUFValueType as VT
+
+from edgerun.errors import InvalidModelFile
+from edgerun.models.gguf_bounded import MAX_KEYS, MAX_TENSORS
+from edgerun.models.gguf_check import inspect
+
+SIZE = 4 << 20
+MAX_CPU_S = 2.0  # the bound the issue sets for refusing or accepting such a file
+MAX_RSS_GROWTH = 64 << 20  # ~10x the largest file here; gguf-py's own parse needed gigabytes
+HANG_S = 60  # a child still running after this is a hang, whatever its CPU time
+
+MEASURE = """
+import json, resource, sys, time
+from edgerun.errors import InvalidModelFile
+from edgerun.models.gguf_check import inspect
+usage = lambda: resource.getrusage(resource.RUSAGE_SELF)
+before = usage()
+try:
+    inspect(sys.argv[1])
+    outcome = "accepted"
+except InvalidModelFile as exc:
+    outcome = str(exc)
+after = usage()
+cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+print(json.dumps({"outcome": outcome, "cpu_s": cpu, "rss_growth": (after.ru_maxrss - before.ru_maxrss) * 1024}))
+"""
+
+
+def _s(text: bytes) -> bytes:
+    return struct.pack("<Q", len(text)) + text
+
+
+def _kv(key: str, vtype: VT, payload: bytes) -> bytes:
+    return _s(key.encode()) + struct.pack("<I", vtype) + payload
+
+
+def _u32(key: str, value: int) -> bytes:
+    return _kv(key, VT.UINT32, struct.pack("<I", value))
+
+
+def _array(key: str, item: VT, count: int, body: bytes) -> bytes:
+    return _kv(key, VT.ARRAY, struct.pack("<IQ", item, count) + body)
+
+
+def _gguf(kvs: list[bytes], n_tensors: int = 0, infos: bytes = b"", data: bytes = b"") -> bytes:
+    """A GGUF v3 file of a small valid llama header plus KVS (and tensor infos)."""
+    head = [_kv("general.architecture", VT.STRING, _s(b"llama")), _u32("llama.block_count", 1),
+            _u32("llama.context_length", 64), _u32("llama.embedding_length", 64),
+            _u32("llama.attention.head_count", 4), _kv("tokenizer.ggml.model", VT.STRING, _s(b"llama"))]
+    kvs = head + kvs
+    body = struct.pack("<4sIQQ", b"GGUF", 3, n_tensors, len(kvs)) + b"".join(kvs) + infos
+    return body + b"\0" * (-len(body) % 32) + data
+
+
+def hostile_files() -> dict[str, bytes]:
+    n_bytes, n_strings = SIZE - 300, (SIZE - 300) // 8
+    tokens = b"".join(_s(b"%06d" % i) for i in range((SIZE - 300) // 14))
+    n_tensors = MAX_TENSORS
+    infos = b"".join(_s(b"t%05d" % i) + struct.pack("<IQIQ", 1, 32, 0, 128 * i) for i in range(n_tensors))
+    return {
+        "4M-uint8-items": _gguf([_array("x.bytes", VT.UINT8, n_bytes, bytes(n_bytes))]),
+        "1M-int32-token-types": _gguf([_array("tokenizer.ggml.token_type", VT.INT32, n_bytes // 4, bytes(n_bytes))]),
+        "500k-empty-strings": _gguf([_array("x.strings", VT.STRING, n_strings, bytes(8 * n_strings))]),
+        "500k-empty-tokens": _gguf([_array("tokenizer.ggml.tokens", VT.STRING, n_strings, bytes(8 * n_strings))]),
+        "300k-unique-tokens": _gguf([_array("tokenizer.ggml.tokens", VT.STRING, len(tokens) // 14, tokens)]),
+        "300k-repeated-tokens": _gguf([_array("tokenizer.ggml.tokens", VT.STRING, len(tokens) // 14,
+                                              _s(b"000000") * (len(tokens) // 14))]),
+        "350k-nested-arrays": _gguf([_array("x.nested", VT.ARRAY, (SIZE - 300) // 12,
+                                            struct.pack("<IQ", VT.UINT8, 0) * ((SIZE - 300) // 12))]),
+        "keys-at-the-cap": _gguf([_u32(f"x.k{i:05d}", i) for i in range(MAX_KEYS - 6)]),
+        "tensors-at-the-cap": _gguf([], n_tensors, infos, bytes(128 * n_tensors)),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _edgerun_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGERUN_HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hostile")
+    files = {}
+    for name, blob in hostile_files().items():
+        files[name] = root / f"{name}.gguf"
+        files[name].write_bytes(blob)
+    return files
+
+
+@pytest.mark.parametrize("name", sorted(hostile_files()))
+def test_hostile_metadata_is_judged_quickly_in_little_memory(hostile, name, tmp_path):
+    path = hostile[name]
+    env = os.environ | {"EDGERUN_HOME": str(tmp_path / "home")}
+    proc = subprocess.run([sys.executable, "-c", MEASURE, str(path)], capture_output=True, text=True,
+                          timeout=HANG_S, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout)
+    assert got["outcome"] == "accepted" or len(got["outcome"].splitlines()) == 1, got
+    assert got["cpu_s"] < MAX_CPU_S, f"{name}: {got['cpu_s']:.2f} s of CPU ({path.stat().st_size >> 20} MB file)"
+    assert got["rss_growth"] < MAX_RSS_GROWTH, f"{name}: RSS grew {got['rss_growth'] >> 20} MiB"
+
+
+def test_repeated_tokens_are_refused(hostile):
+    """llama.cpp asserts every token's text is unique: the 300k-fold repetition is refused."""
+    with pytest.raises(InvalidModelFile, match="repeats the token"):
+        inspect(hostile["300k-repeated-tokens"])
