@@ -24,6 +24,7 @@ from gguf import GGUFValueType as VT
 
 from edgerun.errors import InvalidModelFile
 from edgerun.models.gguf_check import inspect
+from test_gguf_check import N_VOCAB, assert_refused, write_gguf
 
 ARCHS = ("llama", "qwen2", "gemma3")
 FILE_LIMIT_S = 30  # a tiny model loads and decodes in well under a second; one stuck this long hangs
@@ -59,6 +60,73 @@ CHILD = textwrap.dedent("""
             out.write(json.dumps(["refused-by-llama.cpp", path, str(exc)]) + "\\n")
         out.flush()
 """)
+
+
+# ---------------------------------------------------------------------------------------------
+# each rule, on test_gguf_check's tiny file (no llama.cpp needed): key -> (value, type[, item])
+
+TOKENS = ["<unk>", "<s>", "</s>"] + [f"tok{i}" for i in range(3, N_VOCAB)]
+RULES = {
+    "no-blocks": ({"llama.block_count": (0, VT.UINT32)}, "llama.block_count is 0"),
+    "513-blocks": ({"llama.block_count": (513, VT.UINT32)}, "llama.block_count is 513"),
+    "block-count-as-uint64": ({"llama.block_count": (2, VT.UINT64)}, "reads it as UINT32"),
+    "nextn-over-blocks": ({"llama.nextn_predict_layers": (3, VT.UINT32)}, "nextn_predict_layers is 3"),
+    "too-many-experts": ({"llama.expert_count": (1025, VT.UINT32), "llama.expert_used_count": (2, VT.UINT32)},
+                         "expert_count is 1025"),
+    "more-used-than-experts": ({"llama.expert_count": (4, VT.UINT32), "llama.expert_used_count": (5, VT.UINT32)},
+                               "expert_used_count is 5"),
+    "experts-none-used": ({"llama.expert_count": (4, VT.UINT32)}, "expert_used_count is 0"),
+    "used-without-experts": ({"llama.expert_used_count": (2, VT.UINT32)}, "more than the 0 experts"),
+    "per-layer-used-too-short": ({"llama.expert_count": (4, VT.UINT32),
+                                  "llama.expert_used_count": ([2], VT.ARRAY, VT.UINT32)}, "1 values for 2 layers"),
+    "expert-groups-not-dividing": ({"llama.expert_count": (6, VT.UINT32), "llama.expert_used_count": (2, VT.UINT32),
+                                    "llama.expert_group_count": (4, VT.UINT32),
+                                    "llama.expert_group_used_count": (1, VT.UINT32)}, "do not split 6 experts"),
+    "unknown-rope-scaling": ({"llama.rope.scaling.type": ("sideways", VT.STRING)}, "rope.scaling.type is 'sideways'"),
+    "kv-heads-not-dividing": ({"llama.attention.head_count_kv": (3, VT.UINT32)}, "(3) does not divide"),
+    "no-kv-heads": ({"llama.attention.head_count_kv": (0, VT.UINT32)}, "head_count_kv is 0"),
+    "heads-not-dividing-width": ({"llama.attention.head_count": (3, VT.UINT32),
+                                  "llama.attention.head_count_kv": (1, VT.UINT32)}, "(3) does not divide"),
+    "rope-dims-zero": ({"llama.rope.dimension_count": (0, VT.UINT32)}, "rope.dimension_count is 0"),
+    "rope-dims-odd": ({"llama.rope.dimension_count": (15, VT.UINT32)}, "rope.dimension_count is 15"),
+    "rope-dims-not-head": ({"llama.rope.dimension_count": (8, VT.UINT32)}, "needs them equal"),
+    "value-head-not-key-head": ({"llama.attention.value_length": (8, VT.UINT32)}, "needs them equal"),
+    "nan-epsilon": ({"llama.attention.layer_norm_rms_epsilon": (math.nan, VT.FLOAT32)}, "epsilon is nan"),
+    "negative-epsilon": ({"llama.attention.layer_norm_rms_epsilon": (-1e-6, VT.FLOAT32)}, "cannot be negative"),
+    "infinite-rope-base": ({"llama.rope.freq_base": (math.inf, VT.FLOAT32)}, "freq_base is inf"),
+    "context-over-int32": ({"llama.context_length": (2**31, VT.UINT32)}, "context_length is 2147483648"),
+    "tokens-not-strings": ({"tokenizer.ggml.tokens": (list(range(N_VOCAB)), VT.ARRAY, VT.INT32)}, "array of strings"),
+    "repeated-token": ({"tokenizer.ggml.tokens": (TOKENS[:4] + TOKENS[3:4] + TOKENS[5:], VT.ARRAY, VT.STRING)},
+                       "repeats the token b'tok3'"),
+    "empty-token-meets-its-name": ({"tokenizer.ggml.tokens": (TOKENS[:4] + ["", "[EMPTY_4]"] + TOKENS[6:],
+                                                              VT.ARRAY, VT.STRING)}, "b'[EMPTY_4]'"),
+    "scores-short": ({"tokenizer.ggml.scores": ([0.0] * (N_VOCAB - 1), VT.ARRAY, VT.FLOAT32)}, "for all 300 tokens"),
+    "scores-as-uint8": ({"tokenizer.ggml.scores": ([0] * N_VOCAB, VT.ARRAY, VT.UINT8)}, "FLOAT32 or INT32"),
+    "token-type-unknown": ({"tokenizer.ggml.token_type": ([9] + [1] * (N_VOCAB - 1), VT.ARRAY, VT.INT32)},
+                           "token types 0..6"),
+    "merges-not-strings": ({"tokenizer.ggml.merges": ([1, 2], VT.ARRAY, VT.INT32)}, "merges is not an array"),
+    "bos-out-of-vocab": ({"tokenizer.ggml.bos_token_id": (N_VOCAB, VT.UINT32)}, "bos_token_id is 300"),
+    "add-bos-without-bos": ({"tokenizer.ggml.model": ("t5", VT.STRING),  # t5 has no default BOS
+                             "tokenizer.ggml.add_bos_token": (True, VT.BOOL)}, "no bos token"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_each_rule_refuses_with_the_key(tmp_path, name):
+    override, expect = RULES[name]
+    assert_refused(write_gguf(tmp_path / f"{name}.gguf", override=override), expect)
+
+
+def test_the_rules_accept_their_edges(tmp_path):
+    """The limits themselves are allowed: the most experts, per-layer counts, a rope of the full
+    head, every token type, the longest context."""
+    path = write_gguf(tmp_path / "edges.gguf", override={
+        "llama.expert_count": (1024, VT.UINT32), "llama.expert_used_count": ([8, 1024], VT.ARRAY, VT.INT32),
+        "llama.rope.dimension_count": (16, VT.UINT32), "llama.rope.scaling.type": ("yarn", VT.STRING),
+        "tokenizer.ggml.token_type": (list(range(7)) * (N_VOCAB // 7) + [1] * (N_VOCAB % 7), VT.ARRAY, VT.INT32),
+        "tokenizer.ggml.add_bos_token": (True, VT.BOOL), "llama.context_length": (2**31 - 1, VT.UINT32),
+    })
+    assert inspect(path).n_layers == 2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from gguf import GGUFValueType as VT
 LLAMA_MAX_LAYERS = 512
 LLAMA_MAX_EXPERTS = 1024
 ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")  # llama-model.cpp LLAMA_ROPE_SCALING_TYPES
-TOKEN_TYPES = range(0, 7)  # LLAMA_TOKEN_TYPE_UNDEFINED .. LLAMA_TOKEN_TYPE_BYTE
+TOKEN_TYPES = np.arange(7)  # LLAMA_TOKEN_TYPE_UNDEFINED .. LLAMA_TOKEN_TYPE_BYTE
 # head size == rope dimension == value head size, asserted by these graphs (llama's load throws first)
 _ROPE_IS_HEAD = frozenset({"llama", "qwen2"})
 _ATTENTION_ARCHS = frozenset({"llama", "qwen2", "gemma3"})
@@ -27,7 +27,7 @@ _NO_VOCAB = frozenset({"no_vocab", "none"})
 # the special tokens generation relies on (others out of range llama.cpp drops harmlessly)
 _SPECIAL_IDS = ("bos", "eos", "eot", "eom")
 # llama-vocab.cpp's default BOS/EOS per tokenizer model, used when the file names none
-_DEFAULT_BOS_EOS = {"llama": (1, 2), "bert": (101, None), "gpt2": (11, 11), "t5": (None, 1), "rwkv": (None, None)}
+_DEFAULT_BOS_EOS = {"llama": (1, 2), "bert": (101, None), "gpt2": (11, 11), "t5": (None, 1)}
 
 
 class Refused(ValueError):
@@ -153,7 +153,8 @@ def _experts(meta: _Meta, n_layer: int) -> None:
 def _attention(meta: _Meta, n_layer: int) -> None:
     rope = meta.string(meta.key("{arch}.rope.scaling.type"))
     if rope is not None and rope not in ROPE_SCALING_TYPES:
-        raise Refused(f"{meta.key('{arch}.rope.scaling.type')} is {rope[:40]!r}; llama.cpp knows {', '.join(ROPE_SCALING_TYPES)}")
+        raise Refused(f"{meta.key('{arch}.rope.scaling.type')} is {rope[:40]!r};"
+                      f" llama.cpp knows {', '.join(ROPE_SCALING_TYPES)}")
     k_head, k_kv = meta.key("{arch}.attention.head_count"), meta.key("{arch}.attention.head_count_kv")
     heads = meta.per_layer(k_head, n_layer, 0)
     kv = meta.per_layer(k_kv, n_layer, 0) if meta.types(k_kv) else heads
@@ -243,10 +244,10 @@ def _vocab(meta: _Meta) -> None:
         if arr[0] not in allowed or len(arr[1]) < n_vocab:
             raise Refused(f"{key} must be {' or '.join(t.name for t in allowed)} values for all {n_vocab} tokens")
     types = meta.array("tokenizer.ggml.token_type")
-    if types is not None and len(types[1]) and not (types[1].min() >= TOKEN_TYPES.start and types[1].max() < TOKEN_TYPES.stop):
-        raise Refused(f"tokenizer.ggml.token_type holds a value outside {TOKEN_TYPES.start}..{TOKEN_TYPES.stop - 1}")
+    if types is not None and not np.isin(types[1], TOKEN_TYPES).all():
+        raise Refused("tokenizer.ggml.token_type holds a value outside llama.cpp's token types 0..6")
     merges = meta.types("tokenizer.ggml.merges")
-    if merges is not None and merges[:2] != [VT.ARRAY, VT.STRING] and not (merges == [VT.ARRAY] and model != "gpt2"):
+    if merges is not None and merges[:2] != [VT.ARRAY, VT.STRING]:
         raise Refused("tokenizer.ggml.merges is not an array of strings")
     _special_tokens(meta, model, n_vocab)
 
