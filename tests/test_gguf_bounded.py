@@ -1,7 +1,8 @@
 """gguf_bounded: validation stays cheap on hostile metadata. A file of a few MB with millions of
 array items, hundreds of thousands of strings or tokens, nested arrays, or tens of thousands of
 tensors is refused or accepted within the issue's 2 s of CPU and little memory, each measured in
-a child process of its own (peak RSS growth, so nothing earlier in the process hides it)."""
+a child process of its own (peak RSS growth, so nothing earlier in the process hides it; Linux's
+/proc/self/status)."""
 
 from __future__ import annotations
 
@@ -24,20 +25,27 @@ MAX_CPU_S = 2.0  # the bound the issue sets for refusing or accepting such a fil
 MAX_RSS_GROWTH = 64 << 20  # ~10x the largest file here; gguf-py's own parse needed gigabytes
 HANG_S = 60  # a child still running after this is a hang, whatever its CPU time
 
+# peak RSS from VmHWM: it starts afresh at exec, where getrusage's ru_maxrss keeps the parent's
 MEASURE = """
-import json, resource, sys, time
+import json, resource, sys
 from edgerun.errors import InvalidModelFile
 from edgerun.models.gguf_check import inspect
-usage = lambda: resource.getrusage(resource.RUSAGE_SELF)
-before = usage()
+
+def peak():
+    status = open("/proc/self/status").read()
+    return int(status.split("VmHWM:")[1].split()[0]) * 1024
+
+def cpu():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+peak_before, cpu_before = peak(), cpu()
 try:
     inspect(sys.argv[1])
     outcome = "accepted"
 except InvalidModelFile as exc:
     outcome = str(exc)
-after = usage()
-cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-print(json.dumps({"outcome": outcome, "cpu_s": cpu, "rss_growth": (after.ru_maxrss - before.ru_maxrss) * 1024}))
+print(json.dumps({"outcome": outcome, "cpu_s": cpu() - cpu_before, "rss_growth": peak() - peak_before}))
 """
 
 
