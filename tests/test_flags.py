@@ -171,7 +171,7 @@ async def test_the_app_runs_command_line_flags_over_saved_settings_without_savin
         assert "command line: temp 0.0, ngram, seed 3" in status, status
         assert app.session.runner.spec.ngram and app.session.runner.spec.k == 3  # saved spec_k 8, batch 4
         await _until(pilot, lambda: "spec-k 8" in _notes_of(app), timeout=10)
-        assert _notes_of(app).count("spec-k 8") == 1
+        assert _notes_of(app).count("spec-k 8") == 1 and len(app.session.runner.notes) == 1
         entry = await _reply(app, pilot, PROMPT)
         assert entry.status == "done" and "add" in entry.text, (entry.text, _notes_of(app))
     again, warnings = user_settings.load()
@@ -206,5 +206,28 @@ async def test_a_saved_top_k_the_sampler_cannot_take_falls_back_to_its_default(a
     app = EdgerunApp(SMALL, draft="none", engine=EngineSettings(n_ctx=256, gpu_layers="0"))
     async with app.run_test(size=(120, 36)) as pilot:
         await _until(pilot, lambda: app.session is not None)
-        assert "top_k" in _notes_of(app)
+        assert any("top_k" in w for w in app.pref_warnings)  # shown as a notification on mount
         assert (await _reply(app, pilot, "Say OK.")).status == "done"
+
+
+@pytest.mark.slow
+async def test_a_setting_changed_in_the_app_stops_being_overridden(app_state):
+    from edgerun.tui.app import EdgerunApp
+
+    user_settings.save(user_settings.UserSettings(temperature=0.9, max_tokens=8))
+    overrides = user_settings.Overrides({"temperature": 0.0, "max_tokens": 4})
+    app = EdgerunApp(SMALL, draft="none", engine=EngineSettings(n_ctx=256, gpu_layers="0"), overrides=overrides)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await _until(pilot, lambda: app.session is not None)
+        await pilot.press("f3")
+        await _until(pilot, lambda: app.screen.__class__.__name__ == "SettingsScreen", timeout=10)
+        assert app.screen.query_one("#temperature").value == "0.9"  # the form edits the saved settings
+        app.screen.query_one("#temperature").value = "0.3"
+        app.screen.query_one("#save").press()
+        await _until(pilot, lambda: app.screen.__class__.__name__ != "SettingsScreen", timeout=10)
+        assert app.overrides.saved == {"max_tokens": 4}
+        assert (app.effective.temperature, app.effective.max_tokens) == (0.3, 4)
+        status = str(app.query_one("#status").render())
+        assert "command line: max-tokens 4" in status and "temp" not in status, status
+    saved, _ = user_settings.load()
+    assert (saved.temperature, saved.max_tokens) == (0.3, 8)

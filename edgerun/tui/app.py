@@ -210,12 +210,16 @@ class EdgerunApp(App):
         panel = self._main_widget(StatsPanel)
         if panel is not None:
             panel.show_plan(event.runner.plan)
-        overridden = self.overrides.describe()
-        self.set_status(f"ready: {event.request.model} (draft {draft})" + (f" · {overridden}" if overridden else ""))
+        self._say_ready()
         for note in event.runner.notes:
             self.notify(note, title="note", severity="warning", timeout=10)
         if old is None and self.resume is not None:
             await self.show_conversation(self.resume)
+
+    def _say_ready(self) -> None:
+        draft = self.session.runner.draft_spec or "none"
+        overridden = self.overrides.describe()
+        self.set_status(f"ready: {self.model_spec} (draft {draft})" + (f" · {overridden}" if overridden else ""))
 
     def on_model_failed(self, event: ModelFailed) -> None:
         self.set_status("no model loaded: press F2 to pick one")
@@ -410,6 +414,8 @@ class EdgerunApp(App):
             self.session.system = now.system_prompt
         if (before.draft, before.ngram, before.spec_k) != (now.draft, now.ngram, now.spec_k):
             self.request_load(self.model_spec, now.draft)
+        elif self.session is not None:
+            self._say_ready()  # the overrides it names may have changed
         still = self.overrides.describe()
         self.notify(f"settings saved ({still} still wins this run)" if still else "settings saved")
 
