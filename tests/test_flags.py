@@ -14,7 +14,9 @@ import pytest
 from edgerun import user_settings
 from edgerun.cli import build_parser
 from edgerun.commands import _chat_overrides
-from edgerun.decode.generate import first_pick, native_params, native_rng, native_round
+from edgerun.decode import governor
+from edgerun.decode.generate import Step, first_pick, generate, native_params, native_rng, native_round
+from edgerun.decode.speculative import Round, SpecConfig
 from edgerun.errors import EngineError
 from edgerun.runtime.engine import Context, Model
 from edgerun.settings import EngineSettings, SamplerSettings
@@ -127,6 +129,35 @@ def test_what_the_native_extension_raises_is_an_engine_error(ctx):
     with pytest.raises(EngineError, match="top-k"):
         native_params(SamplerSettings(top_k=2**40))
 
+
+def _speculate(ctx, prompt, k):
+    """A greedy reply with n-gram drafts of fixed length k: its tokens and rounds."""
+    records = list(generate(ctx, prompt, SamplerSettings(temperature=0.0), max_tokens=40,
+                            spec=SpecConfig(ngram=True, k=k)))
+    steps = [r for r in records if isinstance(r, Step)]
+    assert steps[-1].finish in ("length", "stop") and len(steps) > 8
+    return steps, [r for r in records if isinstance(r, Round)]
+
+
+@pytest.mark.slow
+def test_a_fixed_k_is_clamped_to_the_batch_and_to_the_context_left(small_model):
+    """Without the runner's clamp (a caller building its own SpecConfig): k drafts over n_batch - 1
+    aborted in llama_decode, and k past the context's end failed the verify decode."""
+    with Model(small_model) as model, Context(model, EngineSettings(n_ctx=256, n_batch=64, n_threads=2)) as ctx:
+        words = " ".join(f"item{i}" for i in range(30))
+        pattern = model.tokenize(words + "\n", add_special=False)
+        assert len(pattern) > 60
+        # the prompt repeats a long line, so the n-gram drafter proposes as much as it is asked for
+        prompt = (pattern * 4)[: ctx.n_ctx - governor.K_MAX - 30]
+        steps, rounds = _speculate(ctx, prompt, 60)
+        assert max(r.drafted for r in rounds) > governor.K_MAX  # drafts went past the reserved room
+        assert ctx.n_past <= ctx.n_ctx
+        with Context(model, EngineSettings(n_ctx=256, n_batch=4, n_threads=2)) as small_batch:
+            steps, rounds = _speculate(small_batch, pattern * 2, 8)
+            assert max(r.drafted for r in rounds) == 3 and any(s.from_draft for s in steps)
+
+
+# ---- the chat app ---
 
 # ---- the chat app ------------------------------------------------------------------------------
 
