@@ -98,8 +98,7 @@ class Speculator:
         room = min(self.k_cap, self.target.n_ctx - self.target.n_past - 1)
         available = room if available is None else min(available, room)
         if self.cfg.k is not None:
-            k = self.cfg.k if available is None else min(self.cfg.k, available)
-            return k, f"fixed k={self.cfg.k}"
+            return min(self.cfg.k, available), f"fixed k={self.cfg.k}" + (f" ({room} fit)" if room < self.cfg.k else "")
         return governor.choose(self.gov[name], available, lag=lag if lag > FEED_MAX else 0, horizon=remaining)
 
     def _prepare_draft(self, last: int, keep: int) -> tuple[list[int], int]:
