@@ -31,3 +31,11 @@ def target_model() -> Path:
 @pytest.fixture(scope="session")
 def other_vocab_model() -> Path:
     return model_path(OTHER_VOCAB)
+
+
+@pytest.fixture
+def edgerun_home(tmp_path, monkeypatch) -> Path:
+    """An EDGERUN_HOME of the test's own (cache, settings, memo), so no test sees another's."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("EDGERUN_HOME", str(home))
+    return home

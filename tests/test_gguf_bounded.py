@@ -20,6 +20,8 @@ from edgerun.errors import InvalidModelFile
 from edgerun.models.gguf_bounded import MAX_KEYS, MAX_TENSORS
 from edgerun.models.gguf_check import inspect
 
+pytestmark = pytest.mark.usefixtures("edgerun_home")
+
 SIZE = 4 << 20
 MAX_CPU_S = 2.0  # the bound the issue sets for refusing or accepting such a file
 MAX_RSS_GROWTH = 64 << 20  # ~10x the largest file here; gguf-py's own parse needed gigabytes
@@ -93,11 +95,6 @@ def hostile_files() -> dict[str, bytes]:
         "keys-at-the-cap": _gguf([_u32(f"x.k{i:05d}", i) for i in range(MAX_KEYS - 6)]),
         "tensors-at-the-cap": _gguf([], n_tensors, infos, bytes(128 * n_tensors)),
     }
-
-
-@pytest.fixture(autouse=True)
-def _edgerun_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("EDGERUN_HOME", str(tmp_path / "home"))
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ from edgerun.errors import InvalidModelFile
 from edgerun.models.gguf_check import inspect
 from test_gguf_check import N_VOCAB, assert_refused, write_gguf
 
+pytestmark = pytest.mark.usefixtures("edgerun_home")
+
 ARCHS = ("llama", "qwen2", "gemma3")
 FILE_LIMIT_S = 30  # a tiny model loads and decodes in well under a second; one stuck this long hangs
 _BITS = {VT.UINT8: 8, VT.INT8: 8, VT.UINT16: 16, VT.INT16: 16, VT.UINT32: 32, VT.INT32: 32, VT.UINT64: 64, VT.INT64: 64}
@@ -131,11 +133,6 @@ def test_the_rules_accept_their_edges(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # the valid files and their variants
-
-
-@pytest.fixture(autouse=True)
-def _edgerun_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("EDGERUN_HOME", str(tmp_path / "home"))
 
 
 @pytest.fixture(scope="module")

@@ -49,30 +49,27 @@ class _Meta:
         f = self.fields.get(key)
         return None if f is None else list(f.types)
 
+    def _scalar(self, key: str, vt: VT, as_what: str):
+        """The field's one value part, None when absent; refused unless its type is exactly vt."""
+        f = self.fields.get(key)
+        if f is None:
+            return None
+        if f.types != [vt]:
+            raise Refused(f"{key} is {'/'.join(t.name for t in f.types)}{as_what}")
+        return f.parts[f.data[0]]
+
     def uint32(self, key: str, default: int | None = None) -> int | None:
         """A scalar llama.cpp reads with get_key<uint32_t>: any other type it refuses."""
-        f = self.fields.get(key)
-        if f is None:
-            return default
-        if f.types != [VT.UINT32]:
-            raise Refused(f"{key} is {'/'.join(t.name for t in f.types)}; llama.cpp reads it as UINT32")
-        return int(f.parts[f.data[0]][0])
+        part = self._scalar(key, VT.UINT32, "; llama.cpp reads it as UINT32")
+        return default if part is None else int(part[0])
 
     def string(self, key: str) -> str | None:
-        f = self.fields.get(key)
-        if f is None:
-            return None
-        if f.types != [VT.STRING]:
-            raise Refused(f"{key} is {'/'.join(t.name for t in f.types)}, not a string")
-        return bytes(f.parts[f.data[0]]).decode("utf-8", errors="replace")
+        part = self._scalar(key, VT.STRING, ", not a string")
+        return None if part is None else bytes(part).decode("utf-8", errors="replace")
 
     def boolean(self, key: str) -> bool | None:
-        f = self.fields.get(key)
-        if f is None:
-            return None
-        if f.types != [VT.BOOL]:
-            raise Refused(f"{key} is {'/'.join(t.name for t in f.types)}; llama.cpp reads it as BOOL")
-        return bool(f.parts[f.data[0]][0])
+        part = self._scalar(key, VT.BOOL, "; llama.cpp reads it as BOOL")
+        return None if part is None else bool(part[0])
 
     def array(self, key: str) -> tuple[VT, np.ndarray] | None:
         """(item type, values); string items come as (start, length) rows into the file."""
