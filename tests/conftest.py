@@ -1,4 +1,7 @@
-"""Shared fixtures: the real models from the catalog (setup.sh pulls them into the user's cache)."""
+"""Shared fixtures: the real models from the catalog (setup.sh pulls them into the user's cache).
+
+A test that takes one of the real-model fixtures is marked `model` here, so `pytest -m "not model"`
+runs the fast tier alone."""
 
 from __future__ import annotations
 
@@ -16,6 +19,15 @@ OTHER_VOCAB = "gemma-3-270m"
 def model_path(name: str) -> Path:
     """The verified local file of a catalog model, pulled from its sources if missing."""
     return fetch.pull(catalog.load().get(name))
+
+
+REAL_MODEL_FIXTURES = frozenset({"small_model", "target_model", "other_vocab_model"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.fixture(scope="session")

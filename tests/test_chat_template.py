@@ -173,7 +173,7 @@ CONVERSATION = [{"role": "system", "content": "You write Python."}] + [
     for i in range(6) for role in ("user", "assistant")] + [{"role": "user", "content": "and now?"}]
 
 
-@pytest.mark.slow
+@pytest.mark.model  # the fixture is named by a parameter, which conftest's automatic mark cannot see
 @pytest.mark.parametrize("model", ["small_model", "target_model", "other_vocab_model"])
 def test_catalog_templates_render_as_before(model, request):
     template = _template_of(request.getfixturevalue(model))  # None: ChatML
@@ -181,7 +181,7 @@ def test_catalog_templates_render_as_before(model, request):
         _in_process(template or chat_template.CHATML, CONVERSATION, "", "<|im_end|>")
 
 
-@pytest.mark.slow
+@pytest.mark.model
 @pytest.mark.parametrize("model", ["small_model", "target_model"])
 def test_qwen_templates_render_as_before(model, request):
     template = _template_of(request.getfixturevalue(model))

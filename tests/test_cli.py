@@ -7,8 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 EDGERUN = [sys.executable, "-m", "edgerun.cli"]
 
 
@@ -28,7 +26,6 @@ def _one_line_error(proc, *needles):
     return lines[0]
 
 
-@pytest.mark.slow
 def test_run_streams_only_text_to_stdout_and_writes_stats(small_model, tmp_path):
     stats_path = tmp_path / "stats.json"
     proc = edgerun("run", "Say hello in one short sentence.", "-m", str(small_model), "-n", "32",
@@ -45,7 +42,6 @@ def test_run_streams_only_text_to_stdout_and_writes_stats(small_model, tmp_path)
     assert stats["peak_rss_bytes"] > small_model.stat().st_size // 4  # the weights were touched
 
 
-@pytest.mark.slow
 def test_run_is_deterministic_by_name_and_raw_skips_template(small_model):
     args = ["-m", "qwen2.5-coder-0.5b", "-n", "12", "--temp", "0"]
     a = edgerun("run", "def fib(n):", *args)
@@ -56,7 +52,6 @@ def test_run_is_deterministic_by_name_and_raw_skips_template(small_model):
     assert raw.stdout != a.stdout
 
 
-@pytest.mark.slow
 def test_run_reads_stdin_and_pipes_into_a_closed_reader(small_model):
     proc = subprocess.run(
         f"{sys.executable} -m edgerun.cli run - -m {small_model} -n 64 --temp 0 | head -c 3",
@@ -81,7 +76,6 @@ def test_not_a_gguf(tmp_path):
     _one_line_error(edgerun("run", "hi", "-m", str(bad)), "not a GGUF")
 
 
-@pytest.mark.slow
 def test_context_larger_than_the_model_supports(small_model):
     line = _one_line_error(edgerun("run", "hi", "-m", str(small_model), "--ctx", "10000000"), "--ctx")
     assert "32768" in line
@@ -117,7 +111,6 @@ def test_bad_gpu_layers_value(small_model):
     _one_line_error(edgerun("run", "hi", "-m", str(small_model), "--gpu-layers", "lots"), "--gpu-layers")
 
 
-@pytest.mark.slow
 def test_list_and_doctor(small_model):
     listing = edgerun("list")
     assert listing.returncode == 0
@@ -130,7 +123,6 @@ def test_list_and_doctor(small_model):
     assert "offload plan for qwen2.5-coder-0.5b" in doctor.stdout
 
 
-@pytest.mark.slow
 def test_pull_of_a_present_model_prints_only_its_path(small_model):
     proc = edgerun("pull", "qwen2.5-coder-0.5b")
     assert proc.returncode == 0
@@ -142,7 +134,6 @@ def test_pull_and_rm_of_unknown_names():
     _one_line_error(edgerun("pull", "no-such-model"), "no-such-model")
 
 
-@pytest.mark.slow
 def test_chat_plain_keeps_history_and_exits_on_eof(small_model):
     proc = edgerun("chat", "--plain", str(small_model), "--temp", "0", "-n", "24",
                    input="My name is Ada. Reply with OK.\nWhat is my name? Answer with one word.\n")
@@ -164,7 +155,6 @@ def _wait_for_output(proc, n_bytes: int, timeout: float = 120.0) -> bytes:
     return got
 
 
-@pytest.mark.slow
 def test_ctrl_c_stops_the_reply_not_the_program(small_model):
     import signal
 

@@ -205,7 +205,6 @@ def test_hf_uri_that_cannot_be_fetched_is_a_convert_error(tmp_path):
     assert "ConvertError: hf://edgerun-test/absent@main: download failed" in out.stdout, out.stderr
 
 
-@pytest.mark.slow
 def test_quantized_gguf_is_refused(tmp_path, small_model):
     with pytest.raises(ConvertError, match=r"already quantized \(file type Q4_K_M\).*F16/BF16/F32 GGUF or the original HF"):
         prepare_f16(str(small_model), tmp_path / "work")

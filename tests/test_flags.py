@@ -43,7 +43,6 @@ def _one_line_error(proc, needle):
 
 # ---- spec-k against the batch ------------------------------------------------------------------
 
-@pytest.mark.slow
 def test_spec_k_larger_than_the_batch_is_clamped_with_one_note(small_model):
     """`--n-batch 4 --spec-k 8` sent a verify batch of 9 tokens to llama_decode, whose GGML_ASSERT
     aborted the process. At temperature 0 the clamped run is still token for token plain decoding."""
@@ -57,7 +56,6 @@ def test_spec_k_larger_than_the_batch_is_clamped_with_one_note(small_model):
     assert not _notes(plain.stderr)
 
 
-@pytest.mark.slow
 def test_chat_plain_takes_the_batch_and_speculation_flags(small_model):
     proc = edgerun("chat", "--plain", str(small_model), "--temp", "0", "-n", "16", "--ctx", "256",
                    "--n-batch", "2", "--spec-k", "5", "--ngram", input=PROMPT + "\n")
@@ -112,7 +110,6 @@ def ctx(small_model):
         yield c
 
 
-@pytest.mark.slow
 def test_what_the_native_extension_raises_is_an_engine_error(ctx):
     params, rng = native_params(SamplerSettings(temperature=0.0)), native_rng(1)
     with pytest.raises(EngineError, match="sampling the first token"):
@@ -139,7 +136,6 @@ def _speculate(ctx, prompt, k):
     return steps, [r for r in records if isinstance(r, Round)]
 
 
-@pytest.mark.slow
 def test_a_fixed_k_is_clamped_to_the_batch_and_to_the_context_left(small_model):
     """Without the runner's clamp (a caller building its own SpecConfig): k drafts over n_batch - 1
     aborted in llama_decode, and k past the context's end failed the verify decode."""
@@ -187,7 +183,6 @@ async def _reply(app, pilot, text):
     return app.reply_entry
 
 
-@pytest.mark.slow
 async def test_the_app_runs_command_line_flags_over_saved_settings_without_saving_them(app_state):
     from edgerun.tui.app import EdgerunApp
 
@@ -209,7 +204,6 @@ async def test_the_app_runs_command_line_flags_over_saved_settings_without_savin
     assert again.replace(last_model=None) == saved and warnings == []
 
 
-@pytest.mark.slow
 async def test_a_failure_in_the_generation_worker_is_a_notification(app_state):
     from edgerun.tui.app import EdgerunApp
 
@@ -225,7 +219,6 @@ async def test_a_failure_in_the_generation_worker_is_a_notification(app_state):
         assert (await _reply(app, pilot, "Say OK.")).status == "done"  # the app and its worker live on
 
 
-@pytest.mark.slow
 async def test_a_saved_top_k_the_sampler_cannot_take_falls_back_to_its_default(app_state):
     """A saved top_k of 2**40 passed the settings check and killed the generation worker (a
     pybind11 TypeError), taking the app down."""
@@ -241,7 +234,6 @@ async def test_a_saved_top_k_the_sampler_cannot_take_falls_back_to_its_default(a
         assert (await _reply(app, pilot, "Say OK.")).status == "done"
 
 
-@pytest.mark.slow
 async def test_a_setting_changed_in_the_app_stops_being_overridden(app_state):
     from edgerun.tui.app import EdgerunApp
 

@@ -131,7 +131,6 @@ def _reported_bytes(lines: list[str]) -> int:
     return int(sum(float(m.group(2)) for line in lines if (m := _SIZES.search(line))) * MiB)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("n_ctx,n_ubatch", [(4096, 512), (16384, 256)])
 def test_estimate_is_within_ten_percent_of_llama_cpp(small_model, target_model, other_vocab_model, n_ctx, n_ubatch):
     lines: list[str] = []

@@ -23,8 +23,6 @@ from edgerun.tui.compositor import BandCompositor
 from edgerun.tui.stats import StatsPanel
 from edgerun.tui.widgets import Transcript
 
-pytestmark = pytest.mark.slow
-
 DRAFT = "qwen2.5-coder-0.5b"
 ENGINE = EngineSettings(n_ctx=2048, gpu_layers="0")
 
