@@ -45,6 +45,25 @@ def other_vocab_model() -> Path:
     return model_path(OTHER_VOCAB)
 
 
+TINY_CTX = 4096  # the tiny model's declared context: the CLI's default --ctx fits
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random-weight qwen2 GGUF written once per session the way `edgerun convert` writes
+    its F16 (the tiny HF checkpoint, then prepare_f16): 2 layers, hidden size 64, a byte-level BPE
+    vocabulary of about 300 tokens holding every byte (so any text round-trips) and ChatML's
+    control tokens; about 240 KB. Its output head is its
+    own: a head tied to random embeddings echoes its input token, so greedy replies would be one
+    token repeated, where an untied one gives varied replies with some repeats (n-gram drafts
+    find matches)."""
+    from edgerun.convert.source import prepare_f16
+    from edgerun.convert.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny_model")
+    return prepare_f16(str(write_tiny_checkpoint(root / "hf", "qwen2", n_ctx=TINY_CTX, tie=False)), root / "work")
+
+
 @pytest.fixture
 def edgerun_home(tmp_path, monkeypatch) -> Path:
     """An EDGERUN_HOME of the test's own (cache, settings, memo), so no test sees another's."""

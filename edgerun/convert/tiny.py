@@ -80,12 +80,12 @@ def unigram_tokenizer() -> tuple[dict[str, Any], dict[str, Any]]:
     return tok, config
 
 
-def _config(arch: str, n_vocab: int, n_layers: int, tie: bool) -> dict[str, Any]:
+def _config(arch: str, n_vocab: int, n_layers: int, tie: bool, n_ctx: int) -> dict[str, Any]:
     config: dict[str, Any] = {
         "architectures": [HF_CLASS[arch]], "model_type": HF_MODEL_TYPE[arch],
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": n_layers,
         "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": 512, "vocab_size": n_vocab,
+        "rope_theta": 10000.0, "max_position_embeddings": n_ctx, "vocab_size": n_vocab,
         "tie_word_embeddings": tie, "torch_dtype": "bfloat16",
     }
     if arch == "gemma3":
@@ -127,9 +127,10 @@ def _weights(config: dict[str, Any], arch: str, bias: bool, rng: np.random.Gener
 
 
 def write_tiny_checkpoint(out_dir: Path, arch: str, *, seed: int = 0, n_layers: int = 2, bias: bool | None = None,
-                          tie: bool | None = None, dtype: str = "bf16") -> Path:
+                          tie: bool | None = None, dtype: str = "bf16", n_ctx: int = 512) -> Path:
     """Write a tiny random HF checkpoint of ARCH into OUT_DIR (created) and return it.
-    bias: q/k/v biases (default: qwen2 only); tie: tied output head (default: all but llama)."""
+    bias: q/k/v biases (default: qwen2 only); tie: tied output head (default: all but llama);
+    n_ctx: the context it declares (max_position_embeddings)."""
     import torch
     from safetensors.torch import save_file
 
@@ -138,7 +139,7 @@ def write_tiny_checkpoint(out_dir: Path, arch: str, *, seed: int = 0, n_layers: 
     tok, tok_config = unigram_tokenizer() if arch == "gemma3" else bpe_tokenizer()
     n_tokens = max(len(tok["model"]["vocab"]), *(a["id"] + 1 for a in tok["added_tokens"]))
     n_vocab = n_tokens if arch == "gemma3" else (n_tokens + 31) // 32 * 32  # BPE: padded rows, as Qwen does
-    config = _config(arch, n_vocab, n_layers, arch != "llama" if tie is None else tie)
+    config = _config(arch, n_vocab, n_layers, arch != "llama" if tie is None else tie, n_ctx)
     weights = _weights(config, arch, arch == "qwen2" if bias is None else bias, np.random.default_rng(seed))
     torch_dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[dtype]
     tensors = {k: torch.from_numpy(a).to(torch_dtype if a.ndim == 2 else torch.float32) for k, a in weights.items()}
