@@ -125,6 +125,13 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of latencies and tok/s here")
 
 
+def _add_bench_scenarios(p: argparse.ArgumentParser) -> None:
+    from edgerun.bench import scenario
+
+    sub = p.add_subparsers(dest="scenario", metavar="SCENARIO", title="scenarios (edgerun bench SCENARIO -h)")
+    scenario.add_parsers(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgerun", description="Local LLM runner on llama.cpp.")
     parser.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log on stderr")
@@ -144,8 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain", action="store_true", help="a plain streaming REPL instead of the app")
     p.set_defaults(**dict.fromkeys(CHAT_OVERRIDES, None))  # None: not given (the saved setting holds)
 
-    p = sub.add_parser("bench", help="A/B benchmark of two configurations: speed and output agreement")
+    p = sub.add_parser("bench", help="A/B benchmark of two configurations, or a claim's scenario (edgerun bench -h)",
+                       description="Without a scenario: an A/B of two configurations (speed and output"
+                       " agreement). With one (edgerun bench NAME -h): the side-by-side measurement behind"
+                       " one claim in docs/BENCHMARKS.md, its ratio against the goal, and --json.")
     _add_bench_args(p)
+    _add_bench_scenarios(p)
 
     p = sub.add_parser("pull", help="download a model (prints its path)")
     p.add_argument("model", nargs="?", help="catalog name, hf://org/repo/file.gguf, or a path")

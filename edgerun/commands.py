@@ -246,6 +246,10 @@ def cmd_doctor(args) -> int:
 def cmd_bench(args) -> int:
     from edgerun import bench
 
+    if args.scenario:
+        from edgerun.bench import scenario
+
+        return scenario.main(args, say=_err)
     model, k = _model_spec(args), _spec_k(args)
     configs = (bench.BenchConfig("A", model, args.draft, args.ngram, k),
                bench.BenchConfig("B", args.vs or model, args.vs_draft, args.vs_ngram, k))

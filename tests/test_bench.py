@@ -80,12 +80,20 @@ def test_bench_flags():
 
 
 def test_shipped_sets():
-    code, chat, every = (bench.load_prompts(s) for s in ("code", "chat", "all"))
+    code, chat, spec, every = (bench.load_prompts(s) for s in ("code", "chat", "spec", "all"))
     assert {p.name for p in code} == {"code-short", "code-long", "context-long"}
     assert {p.set for p in chat} == {"chat"} and len(chat) >= 2
-    assert len(every) == len(code) + len(chat) and len({p.name for p in every}) == len(every)
+    assert [p.name for p in spec] == ["codegen", "code-edit"]
+    assert len(every) == len(code) + len(chat) + len(spec) and len({p.name for p in every}) == len(every)
     assert any(p.sensitive for p in chat) and all(p.sensitive for p in code)
     assert len(max(every, key=lambda p: len(p.text)).text) > 6000  # the prefill prompt
+
+
+def test_prompts_by_name_and_set():
+    assert [p.name for p in bench.load_prompts("code-short,chat")] == ["code-short", "chat-numbers", "chat-explain"]
+    assert [p.name for p in bench.load_prompts(" code-edit ")] == ["code-edit"]
+    with pytest.raises(ConfigError, match="'code-edit,nope' is none of these"):
+        bench.load_prompts("code-edit,nope")
 
 
 def test_prompt_files(tmp_path):
@@ -100,7 +108,7 @@ def test_prompt_files(tmp_path):
     toml.write_text('[[prompt]]\ntext = "no name"\n')
     with pytest.raises(ConfigError, match="name and text"):
         bench.load_prompts(str(toml))
-    with pytest.raises(ConfigError, match="code, chat, all or a file"):
+    with pytest.raises(ConfigError, match="code, chat, spec, all, shipped prompt names"):
         bench.load_prompts(str(tmp_path / "missing.txt"))
 
 

@@ -34,8 +34,6 @@ JSON schema (`--json`), version 1. Keys are stable; new keys may be added:
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 import re
 import statistics
 import threading
@@ -45,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from edgerun.bench.stats import agreement, first_divergence, gaps, percentile, ratio_spread, schedule, spread
 from edgerun.errors import ConfigError
 from edgerun.settings import EngineSettings, SamplerSettings
 
@@ -52,8 +51,8 @@ if TYPE_CHECKING:  # the decode loop loads llama.cpp: imported where it runs, so
     from edgerun.runner import Runner
 
 SCHEMA = 1
-PROMPTS_FILE = Path(__file__).with_name("data") / "bench_prompts.toml"
-SETS = ("code", "chat", "all")
+PROMPTS_FILE = Path(__file__).parents[1] / "data" / "bench_prompts.toml"
+SETS = ("code", "chat", "spec", "all")
 METRICS = ("ttft_s", "tpot_s", "decode_tok_s", "prompt_tok_s")
 EARLY = 16  # a divergence before this token on a numbers/code prompt changed the answer
 WARMUP_TOKENS = 8
@@ -118,13 +117,17 @@ class BenchResult:
 
 
 def load_prompts(choice: str) -> list[Prompt]:
-    """A shipped set (code, chat, all) or a file: TOML shaped like the shipped one, otherwise
-    plain text with one prompt per paragraph."""
-    if choice in SETS:
-        return [p for p in _from_toml(PROMPTS_FILE.read_text(), PROMPTS_FILE) if choice in ("all", p.set)]
+    """A shipped set (code, chat, spec, all), shipped prompts by name (comma-separated, sets
+    allowed among them), or a file: TOML shaped like the shipped one, otherwise plain text with
+    one prompt per paragraph."""
+    shipped = _from_toml(PROMPTS_FILE.read_text(), PROMPTS_FILE)
+    names = [c.strip() for c in choice.split(",") if c.strip()]
+    if names and all(n in SETS or any(p.name == n for p in shipped) for n in names):
+        return [p for p in shipped if any(n in ("all", p.set, p.name) for n in names)]
     path = Path(choice)
     if not path.is_file():
-        raise ConfigError(f"--prompts takes code, chat, all or a file; '{choice}' is none of these")
+        raise ConfigError(f"--prompts takes {', '.join(SETS)}, shipped prompt names (a,b) or a file;"
+                          f" '{choice}' is none of these")
     text = path.read_text()
     prompts = _from_toml(text, path) if path.suffix == ".toml" else paragraphs(text)
     if not prompts:
@@ -149,54 +152,6 @@ def paragraphs(text: str) -> list[Prompt]:
 def looks_sensitive(text: str) -> bool:
     """Numbers or code: prompts where one changed token changes the answer."""
     return bool(re.search(r"\d|```|\bdef |\bclass |\breturn\b|[{};]", text))
-
-
-# -- pure statistics ---------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (NumPy's default); 0.0 for no values."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def gaps(times: Sequence[float]) -> list[float]:
-    """Per-token latency: the time between consecutive tokens (the first token's is the TTFT)."""
-    return [b - a for a, b in zip(times, times[1:])]
-
-
-def agreement(a: Sequence[int], b: Sequence[int]) -> float:
-    """Share of positions holding the same token in both outputs, over the longer output."""
-    n = max(len(a), len(b))
-    return sum(x == y for x, y in zip(a, b)) / n if n else 1.0
-
-
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first differing token (the shorter length when one output is a prefix of
-    the other); None when the outputs are identical."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def spread(values: Sequence[float]) -> dict | None:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
-
-
-def ratio_spread(a: Sequence[float], b: Sequence[float]) -> dict | None:
-    """B / A for each paired repeat, as median, min and max; pairs with A == 0 are skipped."""
-    return spread([y / x for x, y in zip(a, b) if x])
-
-
-def schedule(n_prompts: int, labels: Sequence[str], repeat: int) -> list[tuple[int, int, str]]:
-    """(repeat, prompt index, label), configurations interleaved: noise falls on both alike."""
-    return [(r, p, label) for r in range(repeat) for p in range(n_prompts) for label in labels]
 
 
 # -- measuring ---------------------------------------------------------------------------------
@@ -296,7 +251,9 @@ def _metrics(stats) -> dict[str, float]:
     return {"ttft_s": stats.ttft_s, "tpot_s": stats.tpot_s, "decode_tok_s": stats.decode_tok_s,
             "prompt_tok_s": stats.prompt_tok_s, "prompt_tokens": stats.prompt_tokens,
             "generated_tokens": stats.generated_tokens, "drafted": stats.drafted,
-            "accepted": stats.accepted, "draft_rounds": sum(stats.accepted_hist.values())}
+            "accepted": stats.accepted, "draft_rounds": sum(stats.accepted_hist.values()),
+            # decode wall time and the part of it inside the native round: the rest is host time
+            "decode_s": stats.last_t - stats.ttft_s, "in_round_s": stats.draft_s + stats.verify_s}
 
 
 def _sweep(runners: dict[str, Runner], prompt: Prompt, sampling, n_batches, repeat, result, cancel, say) -> None:
@@ -428,37 +385,3 @@ def describe(config: dict) -> str:
     extras = [f"draft {config['draft']}"] if config["draft"] != "none" else []
     extras += ["ngram"] if config["ngram"] else []
     return config["model"] + (f" ({', '.join(extras)})" if extras else "")
-
-
-# -- plot --------------------------------------------------------------------------------------
-
-
-def plot(result: BenchResult, path: Path) -> None:
-    """A PNG: per-token latency distributions (left) and decode tok/s per prompt (right), A and
-    B side by side. Written atomically, without pyplot's global state."""
-    from matplotlib.figure import Figure
-
-    doc, labels = summarize(result), list(result.configs)
-    fig = Figure(figsize=(11, 4.5), layout="tight")
-    left, right = fig.subplots(1, 2)
-    boxes = left.boxplot([[x * 1000 for r in _runs(result, lab) for x in r.latencies] for lab in labels],
-                         patch_artist=True)
-    for i, box in enumerate(boxes["boxes"]):
-        box.set_facecolor(f"C{i}")  # the same colour as the config's bars on the right
-    left.set_xticks(range(1, len(labels) + 1), labels)
-    fig.suptitle("   vs   ".join(f"{lab}: {describe(result.configs[lab])}" for lab in labels))
-    left.set_ylabel("per-token latency (ms)")
-    left.set_title("latency per token")
-    names = [p.name for p in result.prompts]
-    width = 0.8 / max(len(labels), 1)
-    for i, lab in enumerate(labels):
-        xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(names))]
-        right.bar(xs, [doc["per_prompt"][n][lab]["decode_tok_s"] or 0 for n in names], width, label=lab)
-    right.set_xticks(range(len(names)), names, rotation=20)
-    right.set_ylabel("decode tok/s")
-    right.set_title("decode speed per prompt (median over repeats)")
-    right.legend()
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=100)
-    os.replace(tmp, path)
