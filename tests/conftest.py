@@ -54,14 +54,16 @@ def tiny_model(tmp_path_factory) -> Path:
     its F16 (the tiny HF checkpoint, then prepare_f16): 2 layers, hidden size 64, a byte-level BPE
     vocabulary of about 300 tokens holding every byte (so any text round-trips) and ChatML's
     control tokens; about 240 KB. Its output head is its
-    own: a head tied to random embeddings echoes its input token, so greedy replies would be one
-    token repeated, where an untied one gives varied replies with some repeats (n-gram drafts
-    find matches)."""
+    own, four times the usual scale: a head tied to random embeddings echoes its input token (a
+    greedy reply is one token repeated), and logits of unit scale over 320 tokens are so flat that
+    a draft is never confident enough to propose (speculative.DEFAULT_P_MIN). This one gives
+    varied replies with some repeats (n-gram drafts find matches) and confident self-drafts."""
     from edgerun.convert.source import prepare_f16
     from edgerun.convert.tiny import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny_model")
-    return prepare_f16(str(write_tiny_checkpoint(root / "hf", "qwen2", n_ctx=TINY_CTX, tie=False)), root / "work")
+    return prepare_f16(str(write_tiny_checkpoint(root / "hf", "qwen2", n_ctx=TINY_CTX, tie=False,
+                                             head_scale=4.0)), root / "work")
 
 
 @pytest.fixture

@@ -96,7 +96,8 @@ def _config(arch: str, n_vocab: int, n_layers: int, tie: bool, n_ctx: int) -> di
     return config
 
 
-def _weights(config: dict[str, Any], arch: str, bias: bool, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _weights(config: dict[str, Any], arch: str, bias: bool, rng: np.random.Generator,
+             head_scale: float = 1.0) -> dict[str, np.ndarray]:
     h, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     hd = config.get("head_dim", h // config["num_attention_heads"])
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
@@ -109,7 +110,7 @@ def _weights(config: dict[str, Any], arch: str, bias: bool, rng: np.random.Gener
 
     w = {"model.embed_tokens.weight": rng.normal(0.0, 1.0, (v, h)).astype(np.float32), "model.norm.weight": norm(h)}
     if not config["tie_word_embeddings"]:
-        w["lm_head.weight"] = mat(v, h)
+        w["lm_head.weight"] = mat(v, h) * np.float32(head_scale)
     for b in range(config["num_hidden_layers"]):
         p = f"model.layers.{b}."
         w.update({p + "self_attn.q_proj.weight": mat(q, h), p + "self_attn.k_proj.weight": mat(kv, h),
@@ -127,10 +128,12 @@ def _weights(config: dict[str, Any], arch: str, bias: bool, rng: np.random.Gener
 
 
 def write_tiny_checkpoint(out_dir: Path, arch: str, *, seed: int = 0, n_layers: int = 2, bias: bool | None = None,
-                          tie: bool | None = None, dtype: str = "bf16", n_ctx: int = 512) -> Path:
+                          tie: bool | None = None, dtype: str = "bf16", n_ctx: int = 512,
+                          head_scale: float = 1.0) -> Path:
     """Write a tiny random HF checkpoint of ARCH into OUT_DIR (created) and return it.
     bias: q/k/v biases (default: qwen2 only); tie: tied output head (default: all but llama);
-    n_ctx: the context it declares (max_position_embeddings)."""
+    n_ctx: the context it declares (max_position_embeddings); head_scale: multiplies an untied
+    head, so logits of that scale make the next-token distribution peaked rather than flat."""
     import torch
     from safetensors.torch import save_file
 
@@ -140,7 +143,7 @@ def write_tiny_checkpoint(out_dir: Path, arch: str, *, seed: int = 0, n_layers: 
     n_tokens = max(len(tok["model"]["vocab"]), *(a["id"] + 1 for a in tok["added_tokens"]))
     n_vocab = n_tokens if arch == "gemma3" else (n_tokens + 31) // 32 * 32  # BPE: padded rows, as Qwen does
     config = _config(arch, n_vocab, n_layers, arch != "llama" if tie is None else tie, n_ctx)
-    weights = _weights(config, arch, arch == "qwen2" if bias is None else bias, np.random.default_rng(seed))
+    weights = _weights(config, arch, arch == "qwen2" if bias is None else bias, np.random.default_rng(seed), head_scale)
     torch_dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[dtype]
     tensors = {k: torch.from_numpy(a).to(torch_dtype if a.ndim == 2 else torch.float32) for k, a in weights.items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
