@@ -1,8 +1,10 @@
 """`edgerun bench`: the pure statistics, the JSON document, the table and the plot without a model;
-then A/B runs on the real small models through the command a user runs."""
+the scenario registry and harness; scenarios end to end on the tiny random-weight model; then A/B
+runs on the real small models through the command a user runs. No assertion reads a speed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -15,6 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from edgerun import bench
+from edgerun.bench import scenario
+from edgerun.bench import spec as spec_scenario
 from edgerun.commands import bench_table
 from edgerun.errors import ConfigError
 
@@ -168,6 +172,119 @@ def test_plot_writes_a_png(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+# -- the scenario registry and harness -------------------------------------------------------
+
+SCENARIOS = {"spec", "llama-cpp-python", "round-host", "chat-app", "convert"}
+ENVELOPE = {"schema", "scenario", "argv", "commit", "machine", "settings", "claims"}
+
+
+def test_registry_names_every_scenario_with_its_parser():
+    from edgerun.cli import build_parser
+
+    found = scenario.scenarios()
+    assert SCENARIOS <= set(found)  # and any other module's (the GPU ones)
+    for s in found.values():
+        assert s.help and "goal" in s.help and "\n" not in s.help
+    args = build_parser().parse_args(["bench", "spec", "-m", "t.gguf", "--temps", "0,0.7", "--json", "o.json"])
+    assert (args.scenario, args.model, args.temps, str(args.json)) == ("spec", "t.gguf", [0.0, 0.7], "o.json")
+    assert build_parser().parse_args(["bench", "--vs", "x.gguf"]).scenario is None  # the A/B, as before
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "spec", "--repeat", "0"])
+
+
+def test_unknown_and_duplicate_scenarios():
+    with pytest.raises(ConfigError, match="no bench scenario named 'nope'; there are: spec"):
+        scenario.get("nope")
+    spec = scenario.get("spec")
+    assert scenario.register(spec) is spec  # re-registering the same one (a re-import) is harmless
+    with pytest.raises(ValueError, match="two bench scenarios"):
+        scenario.register(dataclasses.replace(spec, help="another"))
+    proc = edgerun("bench", "nope")
+    assert proc.returncode == 2 and "invalid choice: 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_interleave_takes_abba_turns():
+    order = []
+    values = scenario.interleave({"A": lambda: order.append("A") or 1.0, "B": lambda: order.append("B") or 2.0}, 4)
+    assert order == ["A", "B", "B", "A", "A", "B", "B", "A"]
+    assert values == {"A": [1.0] * 4, "B": [2.0] * 4}
+
+
+def test_claims_judge_the_median_against_the_goal():
+    met = scenario.claim("x / y", {"median": 0.98, "min": 0.9, "max": 1.1}, ">= 0.97")
+    assert met == {"claim": "x / y", "goal": ">= 0.97", "met": True, "median": 0.98, "min": 0.9, "max": 1.1}
+    assert scenario.claim("share", 0.03, "< 0.02")["met"] is False
+    assert scenario.claim("kld", 0.5, "<= 0.85") | {"claim": ""} == {
+        "claim": "", "goal": "<= 0.85", "met": True, "median": 0.5, "min": 0.5, "max": 0.5}
+    unmeasured = scenario.claim("none", None, ">= 1.5")
+    assert unmeasured["met"] is False and unmeasured["median"] is None
+    lines = scenario.claim_lines({"claims": [met, unmeasured]})
+    assert lines == ["x / y: 0.980 (0.900-1.100), goal >= 0.97: met", "none: not measured (goal >= 1.5)"]
+
+
+def test_host_share():
+    assert spec_scenario.host_share({"decode_s": 2.0, "in_round_s": 1.9}) == pytest.approx(0.05)
+    assert spec_scenario.host_share({"decode_s": 1.0, "in_round_s": 1.2}) == 0.0  # timer granularity
+    assert spec_scenario.host_share({"decode_s": 0.0, "in_round_s": 0.0}) == 0.0  # a one-token reply
+
+
+# -- scenarios end to end on the tiny model ----------------------------------------------------
+
+
+def _scenario_doc(tmp_path, name, *args):
+    out = tmp_path / f"{name}.json"
+    proc = edgerun("bench", name, *args, "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert ENVELOPE <= set(doc) and doc["scenario"] == name and doc["schema"] == scenario.SCHEMA
+    assert doc["machine"]["logical_cores"] >= 1 and doc["machine"]["ram_bytes"] > 0
+    for c in doc["claims"]:  # every claim is printed with its verdict
+        assert f"{c['claim']}: " in proc.stdout and f"goal {c['goal']}" in proc.stdout
+    return doc, proc
+
+
+def test_spec_scenario_on_the_tiny_model(tiny_model, tmp_path):
+    doc, proc = _scenario_doc(tmp_path, "spec", "-m", str(tiny_model), "--draft", str(tiny_model), "--temps", "0",
+                              "-n", "12", "--repeat", "2", "--prompts", "codegen,code-edit")
+    assert doc["settings"]["prompts"] == ["codegen", "code-edit"] and doc["settings"]["repeat"] == 2
+    assert set(doc["sides"]) == {"plain", "draft", "ngram"} and doc["sides"]["ngram"]["ngram"] is True
+    rows = {(r["prompt"], r["drafter"]): r for r in doc["rows"]}
+    assert set(rows) == {(p, d) for p in ("codegen", "code-edit") for d in ("draft", "ngram")}
+    for r in rows.values():
+        assert r["ratio"]["min"] <= r["ratio"]["median"] <= r["ratio"]["max"]
+        assert 0 <= r["host_overhead"] < 1 and 0 <= r["acceptance"] <= 1
+        assert r["agreement"] == 1.0  # at T=0 every drafter gives the target's own tokens
+    assert [c["goal"] for c in doc["claims"]] == [">= 0.97", ">= 1.5", "< 0.02"]
+    assert "ratio (min-max)" in proc.stdout
+
+
+def test_round_host_scenario_on_the_tiny_model(tiny_model, tmp_path):
+    doc, _ = _scenario_doc(tmp_path, "round-host", "-m", str(tiny_model), "-n", "12", "--repeat", "1",
+                           "--prompts", "code-edit")
+    assert [(r["prompt"], r["side"]) for r in doc["rows"]] == [("code-edit", "plain"), ("code-edit", "ngram")]
+    worst = max(r["host_share"]["max"] for r in doc["rows"])
+    assert 0 <= worst < 1 and doc["claims"][0]["median"] == worst
+
+
+def test_llama_cpp_python_scenario_on_the_tiny_model(tiny_model, tmp_path):
+    doc, proc = _scenario_doc(tmp_path, "llama-cpp-python", "-m", str(tiny_model), "-n", "12", "--repeat", "2",
+                              "--threads", "1")
+    assert {k: len(v) for k, v in doc["decode_tok_s"].items()} == {"edgerun": 2, "llama-cpp-python": 2}
+    assert all(x > 0 for v in doc["decode_tok_s"].values() for x in v)
+    ratio = doc["claims"][0]
+    pairs = [a / b for a, b in zip(doc["decode_tok_s"]["edgerun"], doc["decode_tok_s"]["llama-cpp-python"])]
+    assert ratio["min"] == pytest.approx(min(pairs)) and ratio["max"] == pytest.approx(max(pairs))
+    assert proc.stderr.count("[1/2]") == 1 and "[2/2]" in proc.stderr
+
+
+def test_a_failing_side_is_one_line(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(64))
+    proc = edgerun("bench", "llama-cpp-python", "-m", str(bad), "--repeat", "1")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("edgerun: error:")
+
+
 # -- the command on real models ----------------------------------------------------------------
 
 
@@ -183,7 +300,6 @@ def prompt_file(tmp_path):
     return path
 
 
-@pytest.mark.slow
 def test_bench_against_itself_matches(small_model, prompt_file, tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = edgerun("bench", "-m", str(small_model), "--vs", str(small_model), "--prompts", str(prompt_file),
@@ -194,8 +310,8 @@ def test_bench_against_itself_matches(small_model, prompt_file, tmp_path):
     assert doc["settings"]["runs_done"] == doc["settings"]["runs_planned"] == 8
     progress = [line for line in proc.stderr.splitlines() if line.startswith(("[", "n_batch"))]
     assert len(progress) == 8 + 2 * 2 * 2  # a line per run and per sweep run
-    for key in ("ttft_s", "decode_tok_s", "prompt_tok_s"):
-        assert 0.5 < doc["ratios"][key]["median"] < 2, (key, doc["ratios"])
+    for key in ("ttft_s", "decode_tok_s", "prompt_tok_s"):  # present and positive; their size is the machine's
+        assert doc["ratios"][key]["median"] > 0, (key, doc["ratios"])
     assert all(a["rate"] == 1.0 and a["first_divergence"] is None for a in doc["agreement"].values())
     assert doc["warnings"] == [] and set(doc["n_batch_ttft"]) == {"8", "64"}
     assert doc["configs"]["A"]["latency_s"]["p50"] > 0 and doc["configs"]["A"]["rss_bytes"] > 0
@@ -203,7 +319,6 @@ def test_bench_against_itself_matches(small_model, prompt_file, tmp_path):
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
-@pytest.mark.slow
 def test_bench_against_another_model_disagrees(small_model, other_vocab_model, prompt_file, tmp_path):
     out = tmp_path / "bench.json"
     proc = edgerun("bench", "-m", str(small_model), "--vs", str(other_vocab_model), "--prompts", str(prompt_file),
@@ -215,7 +330,6 @@ def test_bench_against_another_model_disagrees(small_model, other_vocab_model, p
     assert doc["configs"]["B"]["model"] != doc["configs"]["A"]["model"]
 
 
-@pytest.mark.slow
 def test_ctrl_c_reports_what_was_measured(small_model, prompt_file, tmp_path):
     """Ctrl-C exits 130, as `edgerun run` does when stopped: scripts can tell an interrupted
     bench from a complete one, and the partial report and JSON are still written."""
@@ -237,7 +351,6 @@ def test_ctrl_c_reports_what_was_measured(small_model, prompt_file, tmp_path):
     assert not os.path.exists(str(out) + ".tmp")
 
 
-@pytest.mark.slow
 def test_long_context_prompt_is_long(small_model):
     from edgerun.runtime.engine import Model
 

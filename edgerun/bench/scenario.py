@@ -20,8 +20,9 @@ scenario module to build `--help`): import llama.cpp, Textual or the converter i
 
 The body must hold "settings" (what was measured, as the command's flags say) and "claims"
 (a list made with `claim(...)`); anything else is the scenario's own data. `interleave` runs
-sides in ABBA turns; `bench.stats` has the medians and paired ratios. The envelope the harness
-adds: schema, scenario, argv, commit, machine.
+sides in ABBA turns, `count` is the argparse type of a count, `bench.stats` has the medians and
+paired ratios, and `ab.run` runs in-process configurations on the shipped prompts. The envelope
+the harness adds: schema, scenario, argv, commit, machine.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from pathlib import Path
 from edgerun.errors import ConfigError
 
 SCHEMA = 1
-MODULES = ("edgerun.bench.spec",)
+MODULES = ("edgerun.bench.spec", "edgerun.bench.external", "edgerun.bench.host", "edgerun.bench.tui",
+           "edgerun.bench.quant")
 GOALS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt}
 
 Say = Callable[[str], None]
@@ -91,6 +93,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 # -- what every scenario shares ------------------------------------------------------------------
+
+
+def count(text: str) -> int:
+    """argparse type of a count of 1 or more (argparse prints the one-line error)."""
+    value = int(text) if text.strip().isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+    return value
 
 
 def interleave(sides: dict[str, Callable[[], float]], repeat: int, say: Say = lambda line: None,

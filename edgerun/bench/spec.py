@@ -17,7 +17,7 @@ import statistics
 
 from edgerun.bench.ab import BenchConfig, load_prompts
 from edgerun.bench.ab import run as run_ab
-from edgerun.bench.scenario import Scenario, claim, register
+from edgerun.bench.scenario import Scenario, claim, count, register
 from edgerun.bench.stats import agreement, ratio_spread
 
 DRAFTERS = ("draft", "ngram")
@@ -34,24 +34,17 @@ def _floats(text: str) -> list[float]:
     return values
 
 
-def _count(text: str) -> int:
-    value = int(text) if text.isdigit() else 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
-    return value
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default="qwen2.5-coder-1.5b", help="the target (default qwen2.5-coder-1.5b)")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="the draft model (default qwen2.5-coder-0.5b)")
     p.add_argument("--prompts", default="spec", help="shipped set, prompt names or a file (default spec:"
                    " codegen and code-edit)")
     p.add_argument("--temps", type=_floats, default=[0.0, 0.7], metavar="T[,T...]", help="temperatures (default 0,0.7)")
-    p.add_argument("-n", "--max-tokens", type=_count, default=128, help="tokens per reply (default 128)")
-    p.add_argument("--repeat", type=_count, default=3, help="runs per prompt, temperature and side (default 3)")
+    p.add_argument("-n", "--max-tokens", type=count, default=128, help="tokens per reply (default 128)")
+    p.add_argument("--repeat", type=count, default=3, help="runs per prompt, temperature and side (default 3)")
     p.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
-    p.add_argument("--ctx", type=_count, default=4096, help="context size (default 4096)")
-    p.add_argument("--threads", type=_count, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--ctx", type=count, default=4096, help="context size (default 4096)")
+    p.add_argument("--threads", type=count, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--gpu-layers", default="auto", help="target's layers on the GPU: auto, 0 or a count")
 
 

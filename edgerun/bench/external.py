@@ -1,0 +1,96 @@
+"""`edgerun bench llama-cpp-python`: decode tok/s of `edgerun run` vs llama-cpp-python's `Llama`.
+
+An external side: the same model file, threads, raw prompt (no template), greedy, same token
+count, on the same llama.cpp build (llama-cpp-python's, which edgerun links). Each side runs in
+a fresh process of its own, so neither inherits the other's page cache warm-up order or OpenMP
+thread team; the sides take ABBA turns. Decode tok/s for both is (tokens - 1) / (time of the
+last token - time of the first), as ReplyStats computes it.
+
+Claim: edgerun's own loop costs nothing measurable over the library's (ratio >= 0.98).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from edgerun.bench.scenario import Scenario, claim, count, interleave, register
+from edgerun.bench.stats import ratio_spread, spread
+from edgerun.errors import EdgerunError
+
+PROMPT = "def quicksort(items):\n    \"\"\"Sort a list with quicksort.\"\"\"\n"
+N_CTX = 2048
+
+LLAMA_SIDE = r"""
+import json, sys, time
+from llama_cpp import Llama
+path, n, threads, n_ctx, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+llm = Llama(path, n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads, n_gpu_layers=0,
+            verbose=False)
+times = []
+for _ in llm.create_completion(prompt, max_tokens=n, temperature=0.0, top_k=1, stream=True):
+    times.append(time.perf_counter())
+print(json.dumps({"tokens": len(times), "decode_tok_s": (len(times) - 1) / (times[-1] - times[0])}))
+"""
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default="qwen2.5-coder-1.5b", help="catalog name or .gguf (default qwen2.5-coder-1.5b)")
+    p.add_argument("-n", "--max-tokens", type=count, default=128, help="tokens per reply (default 128)")
+    p.add_argument("--repeat", type=count, default=3, help="turns per side (default 3)")
+    p.add_argument("--threads", type=count, default=None, help="CPU threads, both sides (default: physical cores)")
+
+
+def _edgerun_side(model: Path, n: int, threads: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "stats.json"
+        _child([sys.executable, "-m", "edgerun.cli", "run", PROMPT, "--raw", "-m", str(model), "-n", str(n),
+                "--temp", "0", "--threads", str(threads), "--gpu-layers", "0", "--ctx", str(N_CTX),
+                "--stats-json", str(out)], "edgerun run")
+        return json.loads(out.read_text())["decode_tok_s"]
+
+
+def _llama_side(model: Path, n: int, threads: int) -> float:
+    out = _child([sys.executable, "-c", LLAMA_SIDE, str(model), str(n), str(threads), str(N_CTX), PROMPT],
+                 "llama-cpp-python's Llama")
+    return json.loads(out.strip().splitlines()[-1])["decode_tok_s"]
+
+
+def _child(cmd: list[str], what: str) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise EdgerunError(f"{what} failed (exit {proc.returncode}): {last}")
+    return proc.stdout
+
+
+def measure(args: argparse.Namespace, say) -> dict:
+    from edgerun.models.fetch import resolve
+    from edgerun.settings import physical_cores
+
+    model, threads = resolve(args.model), args.threads or physical_cores()
+    values = interleave({"edgerun": lambda: _edgerun_side(model, args.max_tokens, threads),
+                         "llama-cpp-python": lambda: _llama_side(model, args.max_tokens, threads)},
+                        args.repeat, say)
+    ours, theirs = values["edgerun"], values["llama-cpp-python"]
+    settings = {"model": args.model, "path": str(model), "max_tokens": args.max_tokens, "repeat": args.repeat,
+                "threads": threads, "prompt": PROMPT, "ctx": N_CTX}
+    return {"settings": settings, "decode_tok_s": values,
+            "sides": {name: spread(v) for name, v in values.items()},
+            "claims": [claim("edgerun / llama-cpp-python decode tok/s", ratio_spread(theirs, ours), ">= 0.98")]}
+
+
+def report(doc: dict) -> str:
+    s = doc["settings"]
+    lines = [f"{s['model']}, {s['max_tokens']} tokens, {s['threads']} threads, raw prompt, greedy, {s['repeat']} turns each"]
+    for name, v in doc["sides"].items():
+        lines.append(f"{name:17} median {v['median']:.2f} tok/s ({v['min']:.2f}-{v['max']:.2f})")
+    return "\n".join(lines)
+
+
+register(Scenario("llama-cpp-python", "edgerun run vs llama-cpp-python's Llama, decode tok/s (goal >= 0.98)",
+                  add_args, measure, report))
