@@ -1,4 +1,6 @@
-"""The `edgerun` command as a user runs it: a subprocess, stdout for text, one-line errors."""
+"""The `edgerun` command as a user runs it: a subprocess, stdout for text, one-line errors. Most
+run on the tiny model (conftest's tiny_model); a real model only where the reply's words or the
+catalog matter."""
 
 from __future__ import annotations
 
@@ -7,7 +9,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+from conftest import TINY_CTX
+
 EDGERUN = [sys.executable, "-m", "edgerun.cli"]
+# the tiny model on one thread: a step is a fraction of a millisecond of work, so threads meeting at
+# llama.cpp's barriers on a busy 2-core CPU cost far more than they share (60 against 4700 tok/s)
+ONE_THREAD = ("--threads", "1")
 
 
 def edgerun(*args, input=None, timeout=300, env=None):
@@ -26,9 +34,9 @@ def _one_line_error(proc, *needles):
     return lines[0]
 
 
-def test_run_streams_only_text_to_stdout_and_writes_stats(small_model, tmp_path):
+def test_run_streams_only_text_to_stdout_and_writes_stats(tiny_model, tmp_path):
     stats_path = tmp_path / "stats.json"
-    proc = edgerun("run", "Say hello in one short sentence.", "-m", str(small_model), "-n", "32",
+    proc = edgerun("run", "Say hello in one short sentence.", "-m", str(tiny_model), *ONE_THREAD, "-n", "32",
                    "--temp", "0", "--stats-json", str(stats_path))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() and "tok/s" not in proc.stdout
@@ -38,12 +46,12 @@ def test_run_streams_only_text_to_stdout_and_writes_stats(small_model, tmp_path)
         assert key in stats
     assert 10 < stats["prompt_tokens"] < 100
     assert 1 <= stats["generated_tokens"] <= 32
-    assert 0 < stats["ttft_s"] < 60 and stats["decode_tok_s"] > 0 and stats["prompt_tok_s"] > 1
-    assert stats["peak_rss_bytes"] > small_model.stat().st_size // 4  # the weights were touched
+    assert stats["ttft_s"] > 0 and stats["decode_tok_s"] > 0 and stats["prompt_tok_s"] > 0
+    assert stats["peak_rss_bytes"] > tiny_model.stat().st_size  # the weights were read
 
 
-def test_run_is_deterministic_by_name_and_raw_skips_template(small_model):
-    args = ["-m", "qwen2.5-coder-0.5b", "-n", "12", "--temp", "0"]
+def test_run_is_deterministic_and_raw_skips_template(tiny_model):
+    args = ["-m", str(tiny_model), *ONE_THREAD, "-n", "12", "--temp", "0"]
     a = edgerun("run", "def fib(n):", *args)
     b = edgerun("run", "def fib(n):", *args)
     raw = edgerun("run", "def fib(n):", *args, "--raw")
@@ -52,13 +60,32 @@ def test_run_is_deterministic_by_name_and_raw_skips_template(small_model):
     assert raw.stdout != a.stdout
 
 
-def test_run_reads_stdin_and_pipes_into_a_closed_reader(small_model):
+def test_run_reads_stdin_and_pipes_into_a_closed_reader(tiny_model):
     proc = subprocess.run(
-        f"{sys.executable} -m edgerun.cli run - -m {small_model} -n 64 --temp 0 | head -c 3",
-        shell=True, capture_output=True, text=True, input="Write a poem.", timeout=300,
+        f"{sys.executable} -m edgerun.cli run - -m {tiny_model} --threads 1 -n 64 --temp 0 | head -c 3",
+        shell=True, capture_output=True, text=True, errors="replace", input="Write a poem.", timeout=300,
     )
     assert len(proc.stdout) <= 3
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("flags", [["--draft", "SELF"], ["--ngram"]], ids=["self-draft", "ngram"])
+def test_run_with_speculation_prints_what_plain_decoding_prints(tiny_model, tmp_path, flags):
+    """At --temp 0 a speculative reply is the target's own, token for token; the stats say how
+    many drafts were proposed and accepted (the tiny model as its own draft accepts every one)."""
+    args = ["run", "def add(a, b): return a + b\ndef add(a, b):", "-m", str(tiny_model), "-n", "48", "--temp", "0",
+            "--ctx", "512", "--gpu-layers", "0", *ONE_THREAD]
+    plain = edgerun(*args)
+    flags = [str(tiny_model) if f == "SELF" else f for f in flags]
+    stats_path = tmp_path / "stats.json"
+    spec = edgerun(*args, *flags, "--spec-k", "4", "--stats-json", str(stats_path))
+    assert plain.returncode == spec.returncode == 0, plain.stderr + spec.stderr
+    assert spec.stdout == plain.stdout and plain.stdout.strip()
+    stats = json.loads(stats_path.read_text())
+    assert stats["generated_tokens"] == 48 and stats["spec_k"] == 4 and stats["rounds"] > 0
+    assert 0 < stats["accepted"] <= stats["drafted"]
+    if "--draft" in flags:
+        assert stats["draft"] == str(tiny_model) and stats["accepted"] == stats["drafted"]
 
 
 def test_unknown_model_name():
@@ -76,30 +103,31 @@ def test_not_a_gguf(tmp_path):
     _one_line_error(edgerun("run", "hi", "-m", str(bad)), "not a GGUF")
 
 
-def test_context_larger_than_the_model_supports(small_model):
-    line = _one_line_error(edgerun("run", "hi", "-m", str(small_model), "--ctx", "10000000"), "--ctx")
-    assert "32768" in line
+def test_context_larger_than_the_model_supports(tiny_model):
+    line = _one_line_error(edgerun("run", "hi", "-m", str(tiny_model), "--ctx", "10000000"), "--ctx")
+    assert str(TINY_CTX) in line
 
 
-def test_an_empty_raw_prompt(small_model):
+def test_an_empty_raw_prompt(tiny_model):
     """Qwen adds no BOS: an empty raw prompt has no tokens (it crashed in the first pick)."""
-    _one_line_error(edgerun("run", "", "--raw", "-m", str(small_model), "-n", "4"), "prompt has no tokens")
+    proc = edgerun("run", "", "--raw", "-m", str(tiny_model), *ONE_THREAD, "-n", "4")
+    _one_line_error(proc, "prompt has no tokens")
 
 
-def test_counts_below_one_and_a_tiny_context(small_model):
-    proc = edgerun("run", "hi", "-m", str(small_model), "-n", "0")
+def test_counts_below_one_and_a_tiny_context(tiny_model):
+    proc = edgerun("run", "hi", "-m", str(tiny_model), *ONE_THREAD, "-n", "0")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith("-n/--max-tokens: '0' is not a whole number of 1 or more")
     # --ctx 16 aborted the process (llama.cpp caps its batch at the context; edgerun chunked the
     # prompt by the requested 512); a context too small for a chat template is now refused
-    _one_line_error(edgerun("run", "hi", "-m", str(small_model), "--ctx", "16"), "--ctx 64")
+    _one_line_error(edgerun("run", "hi", "-m", str(tiny_model), *ONE_THREAD, "--ctx", "16"), "--ctx 64")
 
 
-def test_a_reply_stops_where_the_context_ends(small_model, tmp_path):
+def test_a_reply_stops_where_the_context_ends(tiny_model, tmp_path):
     """The reply is cut ("length") before the context overflows; it ended in a traceback from a
     failed llama_decode."""
     stats = tmp_path / "stats.json"
-    proc = edgerun("run", "List the numbers from 1 to 300, separated by commas.", "-m", str(small_model),
+    proc = edgerun("run", "List the numbers from 1 to 300, separated by commas.", "-m", str(tiny_model), *ONE_THREAD,
                    "--ctx", "64", "-n", "500", "--temp", "0", "--stats-json", str(stats))
     assert proc.returncode == 0, proc.stderr
     data = json.loads(stats.read_text())
@@ -107,8 +135,8 @@ def test_a_reply_stops_where_the_context_ends(small_model, tmp_path):
     assert 100 < data["generated_tokens"] < 500
 
 
-def test_bad_gpu_layers_value(small_model):
-    _one_line_error(edgerun("run", "hi", "-m", str(small_model), "--gpu-layers", "lots"), "--gpu-layers")
+def test_bad_gpu_layers_value(tiny_model):
+    _one_line_error(edgerun("run", "hi", "-m", str(tiny_model), "--gpu-layers", "lots"), "--gpu-layers")
 
 
 def test_list_and_doctor(small_model):
