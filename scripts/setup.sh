@@ -2,12 +2,20 @@
 # One idempotent setup from a fresh clone: .venv, llama-cpp-python built for this machine,
 # edgerun installed, default models fetched. On a ready machine it takes seconds.
 #
+#   scripts/setup.sh                 from the network (the package index, the model hub)
+#   scripts/setup.sh --bundle DIR    offline, from a bundle scripts/pack_bundle.sh wrote
+#                                    (also EDGERUN_BUNDLE=DIR): pip never reaches an index, the
+#                                    bundle's sdist is built, its models go into the model cache
+#                                    verified against the catalog; no default model download
+#
 # Knobs (environment): EDGERUN_PYTHON=/path/to/python installs into that interpreter's
 # environment instead of .venv (a conda env, a container image with torch); EDGERUN_LLAMA_SDIST
 # builds from a local llama-cpp-python sdist; EDGERUN_LLAMA_BUILD_DIR keeps llama.cpp's build tree
-# there (scripts/bench_gpu.py builds llama-bench in it); EDGERUN_CUDA_ARCH (default: native);
-# EDGERUN_EXTRAS (default dev,convert) picks the optional dependencies; EDGERUN_SKIP_MODELS=1
-# skips the model download.
+# there; EDGERUN_LLAMA_BENCH=1 also builds llama.cpp's llama-bench in that tree (default
+# build/llama-build; the binary is build/llama-build/bin/llama-bench), the reference side of the
+# GPU scenarios of `edgerun bench`; EDGERUN_CUDA_ARCH (default: native); EDGERUN_EXTRAS (default
+# dev,convert; a bundle's own profile offline) picks the optional dependencies;
+# EDGERUN_SKIP_MODELS=1 skips the model download.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -15,6 +23,29 @@ LLAMA_CPP_VERSION=0.3.36
 TORCH_VERSION=2.13.0  # for `edgerun convert`; a CPU build where the machine has one on disk
 
 log() { printf 'setup: %s\n' "$*" >&2; }
+die() { printf 'setup: %s\n' "$*" >&2; exit 1; }
+
+bundle=${EDGERUN_BUNDLE:-}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bundle) bundle=${2:?--bundle needs a directory}; shift 2 ;;
+    *) die "unknown argument '$1' (scripts/setup.sh [--bundle DIR])" ;;
+  esac
+done
+extras=${EDGERUN_EXTRAS:-dev,convert}
+if [ -n "$bundle" ]; then
+  # Offline: every pip call takes the bundle's wheels and nothing else, the hub is never asked.
+  [ -f "$bundle/bundle.env" ] || die "$bundle is not a bundle (no bundle.env; see scripts/pack_bundle.sh)"
+  bundle=$(cd "$bundle" && pwd)
+  (cd "$bundle" && sha256sum --quiet -c SHA256SUMS) >&2 || die "$bundle: files do not match its SHA256SUMS"
+  # shellcheck source=/dev/null
+  . "$bundle/bundle.env"
+  [ "$llama_cpp_python" = "$LLAMA_CPP_VERSION" ] \
+    || die "$bundle holds llama-cpp-python $llama_cpp_python; this checkout builds $LLAMA_CPP_VERSION: pack it again"
+  export PIP_NO_INDEX=1 PIP_FIND_LINKS="$bundle/wheels" HF_HUB_OFFLINE=1
+  : "${EDGERUN_LLAMA_SDIST:=$(echo "$bundle"/llama-cpp-python/llama_cpp_python-*.tar.gz)}"
+  extras=${EDGERUN_EXTRAS:-$extras}  # the bundle's profile (bundle.env) unless asked otherwise
+fi
 
 if [ -n "${EDGERUN_PYTHON:-}" ]; then
   py="$EDGERUN_PYTHON"
@@ -64,22 +95,47 @@ if [ "$backend" = cuda ]; then
   want+=" patches=$(sha256sum scripts/llama_patches.py | cut -d' ' -f1)"
 fi
 build_dir=()
+bench=${EDGERUN_LLAMA_BENCH:-0}
+[ "$bench" != 1 ] || : "${EDGERUN_LLAMA_BUILD_DIR:=$root/build/llama-build}"
 if [ -n "${EDGERUN_LLAMA_BUILD_DIR:-}" ]; then
   build_dir=(-C "build-dir=$EDGERUN_LLAMA_BUILD_DIR")
   want+=" build-dir=$EDGERUN_LLAMA_BUILD_DIR"
 fi
+# A kept build tree needs its source kept too (a pip build of a .tar.gz unpacks it into a temporary
+# folder): then the source is always the patched copy in build/llama-src (the patch touches only
+# ggml-cuda, which a CPU build does not compile).
+patched=0
+if [ "$backend" = cuda ] || [ -n "${EDGERUN_LLAMA_BUILD_DIR:-}" ]; then patched=1; fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "building llama-cpp-python $LLAMA_CPP_VERSION ($backend backend; takes a few minutes)"
-  "$py" -m pip install -q --upgrade pip scikit-build-core cmake ninja >&2
+  if [ -n "$bundle" ]; then  # the bundle's build tools, or those already installed
+    "$py" -m pip install -q scikit-build-core cmake ninja >&2
+  else
+    "$py" -m pip install -q --upgrade pip scikit-build-core cmake ninja >&2
+  fi
   sdist="${EDGERUN_LLAMA_SDIST:-llama-cpp-python==$LLAMA_CPP_VERSION}"
-  if [ "$backend" = cuda ]; then
+  if [ "$patched" = 1 ]; then
     "$py" scripts/llama_patches.py prepare "${EDGERUN_LLAMA_SDIST:-}" "$root/build/llama-src" --version "$LLAMA_CPP_VERSION"
     sdist="$root/build/llama-src"
   fi
+  rm -f "$root/build/bin/llama-bench"  # built from the old tree
   CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     "$py" -m pip install --no-cache-dir --force-reinstall --no-deps --no-build-isolation --no-binary llama-cpp-python \
     ${build_dir[@]+"${build_dir[@]}"} "$sdist" >&2
   echo "$want" > "$stamp"
+fi
+
+# llama-bench from the same tree: the same ggml objects as the library edgerun loads, so the GPU
+# scenarios compare decode paths, not builds; only its own sources compile (13 s on 16 cores).
+if [ "$bench" = 1 ] && [ ! -x "$root/build/bin/llama-bench" ]; then
+  log "building llama-bench in $EDGERUN_LLAMA_BUILD_DIR"
+  cmake_bin=$(command -v "$bindir/cmake" cmake | head -1)
+  "$cmake_bin" "$EDGERUN_LLAMA_BUILD_DIR" -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON >/dev/null
+  "$cmake_bin" --build "$EDGERUN_LLAMA_BUILD_DIR" --target llama-bench -j "$(nproc)" >/dev/null
+  found=$(find "$EDGERUN_LLAMA_BUILD_DIR" -type f -name llama-bench -perm -u+x | head -1)
+  [ -n "$found" ] || die "llama-bench was not built in $EDGERUN_LLAMA_BUILD_DIR"
+  mkdir -p "$root/build/bin"
+  ln -sf "$found" "$root/build/bin/llama-bench"
 fi
 
 # edgerun itself (editable), re-installed only when pyproject.toml or native/ changed.
@@ -90,12 +146,28 @@ if [ ! -f "$estamp" ] || [ "$(cat "$estamp")" != "$ehash" ]; then
   "$py" -m pip install -q scikit-build-core pybind11 >&2
   # torch reads HF checkpoints for convert; pinned so pip takes the CPU build where one is on disk
   # instead of resolving a multi-GB CUDA build
-  "$py" -c 'import torch' 2>/dev/null || "$py" -m pip install -q "torch==$TORCH_VERSION" >&2
-  "$py" -m pip install -q --no-build-isolation -e ".[${EDGERUN_EXTRAS:-dev,convert}]" >&2
+  if [[ ",$extras," == *,convert,* ]]; then
+    "$py" -c 'import torch' 2>/dev/null || "$py" -m pip install -q "torch==$TORCH_VERSION" >&2
+  fi
+  "$py" -m pip install -q --no-build-isolation -e ".${extras:+[$extras]}" >&2
   echo "$ehash" > "$estamp"
 fi
 
-if [ "${EDGERUN_SKIP_MODELS:-0}" != 1 ]; then
+if [ -n "$bundle" ]; then
+  # the bundle's models, copied into the cache under their catalog file names; `pull` then finds
+  # them there, hashes them against the catalog and marks them verified (a mismatch is refetched,
+  # which offline fails with one line naming the model)
+  models_dir=$("$py" -c 'from edgerun import paths; print(paths.models_dir())')
+  mkdir -p "$models_dir"
+  for f in "$bundle"/models/*.gguf; do
+    [ -e "$f" ] || continue
+    [ -e "$models_dir/$(basename "$f")" ] || { cp "$f" "$models_dir/.$(basename "$f").partial" \
+      && mv "$models_dir/.$(basename "$f").partial" "$models_dir/$(basename "$f")"; }
+  done
+  for name in $models; do
+    "$bindir/edgerun" pull "$name" >/dev/null
+  done
+elif [ "${EDGERUN_SKIP_MODELS:-0}" != 1 ]; then
   "$bindir/edgerun" pull --default >/dev/null
 fi
 log "ready: $bindir/edgerun"
