@@ -285,6 +285,24 @@ def test_a_failing_side_is_one_line(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("edgerun: error:")
 
 
+@pytest.mark.slow
+def test_convert_scenario_on_a_tiny_checkpoint(tmp_path):
+    from edgerun.convert.tiny import write_tiny_checkpoint
+
+    src = write_tiny_checkpoint(tmp_path / "hf", "qwen2")
+    doc, proc = _scenario_doc(tmp_path, "convert", "--src", str(src), "--work", str(tmp_path / "work"),
+                              "--eval-chunks", "1", "--calib-chunks", "1", "--no-weigh", "--no-prose")
+    assert set(doc["results"]) == {"stock Q3_K_M", "edgerun @Q3_K_M (code calib)", "stock Q2_K",
+                                   "edgerun @Q2_K (code calib)"}
+    for ftype in ("Q3_K_M", "Q2_K"):  # the plan is held to the stock file's size
+        ours, stock = doc["results"][f"edgerun @{ftype} (code calib)"], doc["results"][f"stock {ftype}"]
+        assert abs(ours["size_bytes"] - stock["size_bytes"]) < 0.01 * stock["size_bytes"]
+    assert [c["median"] for c in doc["claims"]] == pytest.approx(
+        [doc["results"][f"edgerun @{f} (code calib)"]["kld_mean"] / doc["results"][f"stock {f}"]["kld_mean"]
+         for f in ("Q3_K_M", "Q2_K")])
+    assert "mean KLD" in proc.stdout and doc["convert"] is None
+
+
 # -- the command on real models ----------------------------------------------------------------
 
 

@@ -39,6 +39,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-chunks", type=count, default=16, help="512-token chunks of held-out code per evaluation")
     p.add_argument("--calib-chunks", type=count, default=None, help="512-token chunks of calibration text (default all)")
     p.add_argument("--threads", type=count, default=None)
+    p.add_argument("--no-prose", dest="prose", action="store_false",
+                   help="skip the plans calibrated on prose (half the imatrix, sensitivity and weigh work)")
     p.add_argument("--timed", action="store_true", help="also time `edgerun convert SRC --quant Q3_K_M` from scratch")
     p.add_argument("--no-weigh", dest="weigh", action="store_false",
                    help="plan on raw relative errors (no per-role KLD probes), as edgerun convert --no-weigh")
@@ -66,14 +68,14 @@ def _tensor_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
 
 
-def _variants(f16: Path, cache: Path, out_dir: Path, opts, bar) -> dict[str, Path]:
+def _variants(f16: Path, cache: Path, out_dir: Path, opts, calibs: tuple[str, ...], bar) -> dict[str, Path]:
     """Stock Q3_K_M / Q2_K and edgerun's plans at their sizes, from a code and a prose imatrix
     (the stock files take the code one)."""
     from edgerun.convert import gains, pipeline, plan
     from edgerun.convert.quantize import quantize
 
     measured = {}
-    for calib in CALIBS:
+    for calib in calibs:
         o = dataclasses.replace(opts, calib=(calib,))
         imatrix, key = pipeline.cached_imatrix(f16, o, cache, bar)
         costs = pipeline.cached_costs(f16, imatrix, key, o, cache, bar)
@@ -88,7 +90,7 @@ def _variants(f16: Path, cache: Path, out_dir: Path, opts, bar) -> dict[str, Pat
             quantize(f16, stock, ftype=ftype, overrides={}, imatrix=measured["code"][0], n_threads=opts.n_threads,
                      progress=bar)
         out[f"stock {ftype}"] = stock
-        for calib in CALIBS:
+        for calib in calibs:
             imatrix, costs = measured[calib]
             chosen = plan.choose(costs, _tensor_bytes(stock), fixed_bytes=inv.fixed_bytes)
             ours = out_dir / f"edgerun-{ftype}-{calib}.gguf"
@@ -117,7 +119,7 @@ def measure(args: argparse.Namespace, say) -> dict:
         f16 = Path(prepare_f16(args.src, cache / "f16", progress=bar))
         opts = pipeline.ConvertOptions(src=args.src, output=work / "unused.gguf", quant="Q3_K_M",
                                        calib_chunks=args.calib_chunks, n_threads=args.threads, weigh=args.weigh)
-        variants = _variants(f16, cache, work, opts, bar)
+        variants = _variants(f16, cache, work, opts, CALIBS if args.prose else CALIBS[:1], bar)
         text = pipeline.EVAL_TEXT.read_text(encoding="utf-8")
         qualities = report.evaluate_many(f16, list(variants.values()), text, max_chunks=args.eval_chunks,
                                          n_threads=args.threads, progress=bar)
@@ -128,7 +130,7 @@ def measure(args: argparse.Namespace, say) -> dict:
         results[name] = report.build(path, q).to_json()
         results[name].pop("tensors")
     settings = {"src": args.src, "eval_chunks": args.eval_chunks, "calib_chunks": args.calib_chunks,
-                "threads": args.threads, "weigh": args.weigh}
+                "threads": args.threads, "weigh": args.weigh, "prose": args.prose}
     return {"settings": settings, "convert": timing, "results": results, "claims": _claims(results)}
 
 
@@ -146,7 +148,7 @@ def report(doc: dict) -> str:
         rows.append([name, f"{r['size_bytes'] / 1e6:.1f}", f"{r['bpw']:.3f}", f"{r['kld_mean']:.5f}",
                      f"{r['kld_p99']:.4f}", f"{r['top1_agreement']:.2%}", f"{r['ppl']:.3f}", f"{r['ppl_ref']:.3f}"])
     lines = align(rows)
-    for ftype in STOCK:
+    for ftype in STOCK if doc["settings"]["prose"] else ():
         code, prose = (doc["results"][f"edgerun @{ftype} ({c} calib)"] for c in CALIBS)
         lines.append(f"at {ftype}'s size, calibrated on prose vs code (evaluated on code): KLD x"
                      f"{prose['kld_mean'] / code['kld_mean']:.3f}, top-1 {prose['top1_agreement'] - code['top1_agreement']:+.2%}")

@@ -166,13 +166,14 @@ def _gpus() -> list[str]:
 
 
 def commit() -> str | None:
-    """The checkout's commit (with '-dirty' when edgerun's files differ from it), or None."""
+    """The checkout's commit (with '-dirty' when a tracked file of edgerun or native/ differs
+    from it), or None outside a git checkout."""
     root = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
                               capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "edgerun", "native"],
-                               capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                "edgerun", "native"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     if head.returncode != 0:

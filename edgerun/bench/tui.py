@@ -123,6 +123,7 @@ def measure(args: argparse.Namespace, say) -> dict:
             servers.append(Server("app", args.model, args.max_tokens, env))
             servers.append(Server("headless", args.model, args.max_tokens, env))
             app, headless = servers
+            app.reply(), headless.reply()  # not measured: the first reply pages the weights in
             values = interleave({"app": app.reply, "headless": headless.reply}, args.repeat, say)
         finally:
             for server in servers:
