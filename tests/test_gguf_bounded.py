@@ -1,8 +1,10 @@
 """gguf_bounded: validation stays cheap on hostile metadata. A file of a few MB with millions of
 array items, hundreds of thousands of strings or tokens, nested arrays, or tens of thousands of
-tensors is refused or accepted within the issue's 2 s of CPU and little memory, each measured in
-a child process of its own (peak RSS growth, so nothing earlier in the process hides it; Linux's
-/proc/self/status)."""
+tensors is refused or accepted in a number of reads that grows with its keys, never with its
+items, and in little memory, each measured in a child process of its own (peak RSS growth, so
+nothing earlier in the process hides it; Linux's /proc/self/status). gguf-py's own parse read
+item by item: millions of reads and gigabytes for these files. The CPU time is printed (at most
+about 0.3 s a file on a 2-core CPU, against a 2 s goal), not asserted: it depends on the machine."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from edgerun.models.gguf_check import inspect
 pytestmark = pytest.mark.usefixtures("edgerun_home")
 
 SIZE = 4 << 20
-MAX_CPU_S = 2.0  # the bound the issue sets for refusing or accepting such a file
+READS_PER_KEY, READS_FIXED = 5, 16  # measured: 35 reads for 7 keys, 16389 for 4096
 MAX_RSS_GROWTH = 64 << 20  # ~10x the largest file here; gguf-py's own parse needed gigabytes
 HANG_S = 60  # a child still running after this is a hang, whatever its CPU time
 
@@ -31,7 +33,18 @@ HANG_S = 60  # a child still running after this is a hang, whatever its CPU time
 MEASURE = """
 import json, resource, sys
 from edgerun.errors import InvalidModelFile
+from edgerun.models import gguf_bounded
 from edgerun.models.gguf_check import inspect
+
+reads = 0
+real_get = gguf_bounded.BoundedReader._get
+
+def counted_get(self, *args, **kwargs):  # every bounded read of the file goes through _get
+    global reads
+    reads += 1
+    return real_get(self, *args, **kwargs)
+
+gguf_bounded.BoundedReader._get = counted_get
 
 def peak():
     status = open("/proc/self/status").read()
@@ -47,7 +60,8 @@ try:
     outcome = "accepted"
 except InvalidModelFile as exc:
     outcome = str(exc)
-print(json.dumps({"outcome": outcome, "cpu_s": cpu() - cpu_before, "rss_growth": peak() - peak_before}))
+print(json.dumps({"outcome": outcome, "cpu_s": cpu() - cpu_before, "rss_growth": peak() - peak_before,
+                  "reads": reads}))
 """
 
 
@@ -116,7 +130,9 @@ def test_hostile_metadata_is_judged_quickly_in_little_memory(hostile, name, tmp_
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout)
     assert got["outcome"] == "accepted" or len(got["outcome"].splitlines()) == 1, got
-    assert got["cpu_s"] < MAX_CPU_S, f"{name}: {got['cpu_s']:.2f} s of CPU ({path.stat().st_size >> 20} MB file)"
+    n_kv = struct.unpack_from("<4sIQQ", path.read_bytes(), 0)[3]
+    print(f"\n{name}: {got['cpu_s']:.2f} s of CPU, {got['reads']} reads for {n_kv} keys")
+    assert got["reads"] <= READS_PER_KEY * n_kv + READS_FIXED, f"{name}: {got['reads']} reads for {n_kv} keys"
     assert got["rss_growth"] < MAX_RSS_GROWTH, f"{name}: RSS grew {got['rss_growth'] >> 20} MiB"
 
 
