@@ -90,11 +90,14 @@ async def test_send_a_message_and_see_the_reply_stream_with_stats():
         await send(pilot, app, "Count from 1 to 50, separated by commas.")
         panel = app.query_one(StatsPanel)
         seen_partial = False
-        panel_views = set()
+        panel_views, counted = set(), 0
         while app.generating:
-            if replies(app) and replies(app)[-1].text and app.generating:
-                seen_partial = True  # text showed before the reply was finished
-                panel_views.add(panel_text(panel))
+            if app.stats is not None and app.stats.generated_tokens > counted:
+                counted = app.stats.generated_tokens
+                app.tick()  # the UI tick, run here on each new token rather than waited for
+                if app.generating and replies(app)[-1].text:
+                    seen_partial = True  # text showed before the reply was finished
+                    panel_views.add(panel_text(panel))
             await pilot.pause(0.02)
         reply = replies(app)[-1]
         assert reply.text.strip() and reply.status == "done", (reply.text, reply.status, notes(app))
@@ -205,7 +208,7 @@ async def test_resume_a_saved_conversation_after_restart():
         await wait_for(pilot, lambda: not app.generating)
     async with _loaded_app() as (app, pilot):
         await pilot.press("f4")
-        await pilot.pause(0.2)
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ConversationsScreen")
         await pilot.click("#resume")
         await wait_for(pilot, lambda: len(app.query_one(Transcript).entries) == 2)
         assert "My name is Ada" in _screen_text(app)
@@ -237,9 +240,18 @@ def _mid_reply_script(then: str) -> str:
     """A script that starts the app on the 0.5B model in its own process, asks for a long reply,
     and once tokens stream runs `then` (one line of code) inside the app."""
     return textwrap.dedent("""
-        import asyncio, os, signal, time
+        import asyncio, os, signal, sqlite3
+        from edgerun import history
         from edgerun.settings import EngineSettings
         from edgerun.tui.app import EdgerunApp
+
+        async def until_saved(pilot, n_chars):  # the streaming reply has n_chars on disk
+            query = "SELECT length(content) FROM messages WHERE status = 'streaming'"
+            while True:
+                with sqlite3.connect(history.default_path()) as db:
+                    if (db.execute(query).fetchone() or (0,))[0] > n_chars:
+                        return
+                await pilot.pause(0.02)
 
         async def main():
             app = EdgerunApp("qwen2.5-coder-0.5b", draft="none", engine=EngineSettings(n_ctx=2048, gpu_layers="0"))
@@ -260,8 +272,8 @@ def _mid_reply_script(then: str) -> str:
 
 def test_a_kill_during_a_reply_leaves_the_partial_reply_in_the_database():
     _save_prefs(max_tokens=400)
-    # let the streamed text reach the database, then die
-    script = _mid_reply_script("time.sleep(0.3); os.kill(os.getpid(), signal.SIGKILL)")
+    # once streamed text has reached the database, die
+    script = _mid_reply_script("await until_saved(pilot, 20); os.kill(os.getpid(), signal.SIGKILL)")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300, env=os.environ)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     with History() as h:
@@ -380,15 +392,14 @@ def test_snapshot_settings_screen(snap_compare):
 async def test_settings_are_validated_and_saved():
     async with _loaded_app(size=(120, 36)) as (app, pilot):
         await pilot.press("f3")
-        await pilot.pause(0.2)
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "SettingsScreen")
         app.screen.query_one("#temperature").value = "hot"
         app.screen.query_one("#save").press()
-        await pilot.pause(0.1)
-        assert "temperature" in notes(app) and app.screen.__class__.__name__ == "SettingsScreen"
+        await wait_for(pilot, lambda: "temperature" in notes(app))
+        assert app.screen.__class__.__name__ == "SettingsScreen"
         app.screen.query_one("#temperature").value = "0.3"
         app.screen.query_one("#top_k").value = "12"
         app.screen.query_one("#save").press()
-        await pilot.pause(0.1)
-        assert app.screen.__class__.__name__ != "SettingsScreen", notes(app)
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ != "SettingsScreen")
     saved, warnings = user_settings.load()
     assert (saved.temperature, saved.top_k, warnings) == (0.3, 12, [])
