@@ -6,7 +6,7 @@ tests and benchmarks; no real one exists on these machines.
 
     scripts/make_hf_fixture.py ~/.cache/edgerun/models/qwen2.5-coder-0.5b-instruct-q5_0.gguf /tmp/qwen05 --dtype bf16
 
-The work is in edgerun/convert/fixture.py; this is its command line."""
+The work is in testkit/fixture.py (test support, not installed); this is its command line."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-from edgerun.convert.fixture import DTYPES, SHARD_BYTES, make_hf_fixture
-from edgerun.errors import EdgerunError
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for testkit
+
+from edgerun.errors import EdgerunError  # noqa: E402
+from testkit.fixture import DTYPES, SHARD_BYTES, make_hf_fixture  # noqa: E402
 
 
 def _progress(label: str, done: int, total: int) -> None:

@@ -59,7 +59,7 @@ def tiny_model(tmp_path_factory) -> Path:
     a draft is never confident enough to propose (speculative.DEFAULT_P_MIN). This one gives
     varied replies with some repeats (n-gram drafts find matches) and confident self-drafts."""
     from edgerun.convert.source import prepare_f16
-    from edgerun.convert.tiny import write_tiny_checkpoint
+    from testkit.tiny import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny_model")
     return prepare_f16(str(write_tiny_checkpoint(root / "hf", "qwen2", n_ctx=TINY_CTX, tie=False,

@@ -287,7 +287,7 @@ def test_a_failing_side_is_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_convert_scenario_on_a_tiny_checkpoint(tmp_path):
-    from edgerun.convert.tiny import write_tiny_checkpoint
+    from testkit.tiny import write_tiny_checkpoint
 
     src = write_tiny_checkpoint(tmp_path / "hf", "qwen2")
     doc, proc = _scenario_doc(tmp_path, "convert", "--src", str(src), "--work", str(tmp_path / "work"),

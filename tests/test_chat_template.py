@@ -194,7 +194,7 @@ def test_qwen_templates_render_as_before(model, request):
 def test_gemma_template_from_a_gguf_renders_as_before(tmp_path):
     from edgerun.convert.gguf_writer import write_gguf
     from edgerun.convert.hf_reader import open_checkpoint
-    from edgerun.convert.tiny import write_tiny_checkpoint
+    from testkit.tiny import write_tiny_checkpoint
 
     gguf = write_gguf(open_checkpoint(write_tiny_checkpoint(tmp_path / "hf", "gemma3")), tmp_path / "tiny.gguf")
     template = _template_of(gguf)
@@ -210,7 +210,7 @@ def gguf_with_template(tmp_path_factory):
     """A tiny random-weight model whose GGUF carries the given chat template."""
     from edgerun.convert.gguf_writer import write_gguf
     from edgerun.convert.hf_reader import open_checkpoint
-    from edgerun.convert.tiny import write_tiny_checkpoint
+    from testkit.tiny import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("hostile")
     hf = write_tiny_checkpoint(root / "hf", "qwen2")

@@ -15,10 +15,10 @@ import pytest
 
 from edgerun.convert import pipeline, report
 from edgerun.convert.calibrate import Imatrix
-from edgerun.convert.fixture import make_hf_fixture
+from testkit.fixture import make_hf_fixture
 from edgerun.convert.quantize import quantize
 from edgerun.convert.source import prepare_f16
-from edgerun.convert.tiny import write_tiny_checkpoint
+from testkit.tiny import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from edgerun.convert.source import prepare_f16
-from edgerun.convert.tiny import write_tiny_checkpoint
+from testkit.tiny import write_tiny_checkpoint
 
 INDEX = "model.safetensors.index.json"
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")

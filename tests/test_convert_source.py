@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from edgerun.convert.fixture_vocab import field
+from testkit.fixture_vocab import field
 from edgerun.convert.source import SUPPORTED_ARCHS, prepare_f16
-from edgerun.convert.tiny import write_tiny_checkpoint
+from testkit.tiny import write_tiny_checkpoint
 from edgerun.errors import ConvertError
 from edgerun.runtime.engine import Context, Model
 from edgerun.settings import EngineSettings

@@ -139,7 +139,7 @@ def test_the_rules_accept_their_edges(tmp_path):
 def bases(tmp_path_factory) -> dict[str, Path]:
     """A tiny F16 GGUF of each architecture, as edgerun convert writes it."""
     from edgerun.convert.source import prepare_f16
-    from edgerun.convert.tiny import write_tiny_checkpoint
+    from testkit.tiny import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("bases")
     return {arch: prepare_f16(str(write_tiny_checkpoint(root / arch, arch)), root / f"{arch}-work") for arch in ARCHS}

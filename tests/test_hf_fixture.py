@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from edgerun.convert.fixture import hf_names, make_hf_fixture
-from edgerun.convert.fixture_vocab import field
+from testkit.fixture import hf_names, make_hf_fixture
+from testkit.fixture_vocab import field
 from edgerun.convert.hf_reader import SUPPORTED_ARCHS, open_checkpoint
 from edgerun.convert.hf_vocab import load_vocab
 from edgerun.convert.source import prepare_f16
-from edgerun.convert.tiny import write_tiny_checkpoint
+from testkit.tiny import write_tiny_checkpoint
 from edgerun.errors import ConvertError
 
 ARCHS = SUPPORTED_ARCHS

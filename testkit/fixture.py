@@ -20,9 +20,9 @@ import numpy as np
 from gguf import GGUFReader
 
 from edgerun.convert.atomic import publish, temp_name
-from edgerun.convert.fixture_vocab import field, tokenizer_files
 from edgerun.convert.hf_reader import HF_CLASS, HF_MODEL_TYPE, SUPPORTED_ARCHS
 from edgerun.errors import ConvertError
+from testkit.fixture_vocab import field, tokenizer_files
 
 Progress = Callable[[str, int, int], None]
 DTYPES = ("bf16", "f16")
