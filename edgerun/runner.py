@@ -5,14 +5,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 from edgerun.errors import ConfigError
 from edgerun.decode.generate import Prefill, Step, generate
-from edgerun.decode.speculative import Round
 from edgerun.decode import governor
-from edgerun.decode.speculative import SpecConfig, k_limit
+from edgerun.decode.governor import Costs, GovernorMemory
+from edgerun.decode.speculative import Round, SpecConfig, k_limit
 from edgerun.models import catalog, fetch
 from edgerun.models.fetch import resolve
 from edgerun.models.gguf_check import GGUFInfo, inspect
@@ -71,7 +70,7 @@ def placement_for(info: GGUFInfo, settings: EngineSettings, draft: GGUFInfo | No
         raise ConfigError(f"{exc}; no context fits: pick a smaller model or close other programs") from None
 
 
-def draft_for(target_spec: str, draft: str | None) -> str | None:
+def draft_for(model_spec: str, draft: str | None) -> str | None:
     """Which draft model to load: an explicit one, none, or for "auto" the catalog's recommended
     draft when it is downloaded and a GPU is here (on CPU alone a model draft does not pay: the
     target's batched verify costs nearly as much as the steps it saves)."""
@@ -79,22 +78,25 @@ def draft_for(target_spec: str, draft: str | None) -> str | None:
         return None
     if draft != "auto":
         return draft
-    entry = catalog.load().find(target_spec)
+    entry = catalog.load().find(model_spec)
     if entry is None or not entry.draft or not devices.gpu_offload_supported():
         return None
     return entry.draft if fetch.is_present(catalog.load().get(entry.draft)) else None
 
 
 class Runner:
-    """Owns the target model and context, and the draft's when speculating. Close it (or use
-    `with`) to free them all."""
+    """Owns the target model and context, the draft's when speculating, and what the governors
+    learn across replies (`governors`). Close it (or use `with`) to free them all."""
 
-    def __init__(self, spec: str | Path, settings: EngineSettings | None = None, *,
+    def __init__(self, model_spec: str | Path, settings: EngineSettings | None = None, *,
                  draft: str | None = None, ngram: bool = False, spec_k: int | None = None,
-                 rule: str = "rejection"):
+                 rule: str = "rejection", costs: dict[str, Costs] | None = None):
+        """model_spec, draft: a catalog name, hf:// URI or path. costs: per drafter ("model",
+        "ngram"), the costs to govern with instead of timing them at load (tests and benchmarks
+        inject them, so no decision depends on how fast the machine was at load)."""
         self.settings = settings or EngineSettings()
-        self.path = resolve(str(spec))
-        self.draft_spec = draft_for(str(spec), draft)
+        self.path = resolve(str(model_spec))
+        self.draft_spec = draft_for(str(model_spec), draft)
         self.draft_path = resolve(self.draft_spec) if self.draft_spec else None
         if self.draft_path:
             vocab.check_pair(self.path, self.draft_path)
@@ -124,14 +126,18 @@ class Runner:
             raise
         self.notes: list[str] = []  # one-time notes for the user about this load (the CLI and TUI show them)
         speculating = self.draft_ctx is not None or ngram
-        self.spec = SpecConfig(draft=self.draft_ctx, ngram=ngram, k=self._fit_k(spec_k, speculating), rule=rule)
+        self.spec_config = SpecConfig(draft=self.draft_ctx, ngram=ngram, k=self._fit_k(spec_k, speculating), rule=rule)
+        self.governors = GovernorMemory()
         if self.plan.gpu_bytes:
-            self._warm_up(speculating=self.draft_ctx is not None or ngram)
-        if (self.draft_ctx is not None or ngram) and spec_k is None:
-            self.spec.governors.update(self._measure_costs())
+            self._warm_up(speculating=speculating)
+        if speculating and spec_k is None:
+            warm = governor.WARM_ROUNDS if self.plan.gpu_bytes else 1
+            for name, known in (costs or self._measure_costs()).items():
+                self.governors.put(name, governor.from_costs(known, warm_rounds=warm))
             # a draft the load-time costs already rule out: replies decode as plain ones do (their
             # sampler settles before the prompt), so warm that graph here as _warm_up does for them
-            if self.plan.gpu_bytes and not ngram and governor.given_up(self.spec.governors["model"]):
+            model = self.governors.get("model")
+            if self.plan.gpu_bytes and not ngram and model and governor.given_up(model):
                 self._warm_device_greedy()
 
     def _fit_k(self, spec_k: int | None, speculating: bool) -> int | None:
@@ -174,7 +180,7 @@ class Runner:
                 self.ctx.eval([token])
             self.ctx.trim(0)
 
-    def _measure_costs(self) -> dict[str, governor.GovernorState]:
+    def _measure_costs(self) -> dict[str, Costs]:
         """Time every verify batch size, and the draft's step and catch-up when there is a draft,
         before the first reply, so the governors judge drafting before paying for it: a draft that
         cannot win here would otherwise cost its prompt prefill and a losing round, more than a
@@ -203,15 +209,12 @@ class Runner:
                     elapsed = time.perf_counter() - start
                     ctx.trim(0)
                 best[key] = min(best[key], elapsed)
-        warm = governor.WARM_ROUNDS if self.plan.gpu_bytes else 1
-        known = governor.GovernorState(verify_s=tuple((n, t) for (kind, n), t in best.items() if kind == "verify"),
-                                       drafted_rounds=warm, warm_rounds=warm, plain_from_load=True,
-                                       decided="costs measured at load")
-        states = {"ngram": replace(known, draft_step_s=0.0)} if self.spec.ngram else {}  # a lookup, no decode
+        verify = tuple((n, t) for (kind, n), t in best.items() if kind == "verify")
+        costs = {"ngram": Costs(verify, draft_step_s=0.0)} if self.spec_config.ngram else {}  # a lookup, no decode
         if self.draft_ctx is not None:
-            states["model"] = replace(known, draft_step_s=best["draft", 1],
-                                      catch_up_s=best["catch_up", CATCH_UP_PROBE] / CATCH_UP_PROBE)
-        return states
+            costs["model"] = Costs(verify, draft_step_s=best["draft", 1],
+                                   catch_up_s=best["catch_up", CATCH_UP_PROBE] / CATCH_UP_PROBE)
+        return costs
 
     def _own(self, handle):
         self._owned.append(handle)
@@ -241,7 +244,8 @@ class Runner:
         max_tokens: int,
         cancel: threading.Event | None = None,
     ) -> Iterator[Prefill | Step | Round]:
-        return generate(self.ctx, tokens, sampling, max_tokens=max_tokens, cancel=cancel, spec=self.spec)
+        return generate(self.ctx, tokens, sampling, max_tokens=max_tokens, cancel=cancel,
+                        spec_config=self.spec_config, memory=self.governors)
 
 
 def chat_tokens(model: Model, messages: list[dict]) -> list[int]:

@@ -27,6 +27,24 @@ class SamplerSettings:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """The repetition penalty applies: a penalty other than 1 over a window that is not empty."""
+        return self.repeat_penalty != 1.0 and self.repeat_last_n != 0
+
+    def penalty_window(self, tokens: list[int], last: int | None = None) -> list[int]:
+        """The committed tokens the repetition penalty sees, as llama.cpp means repeat_last_n: the
+        last N of `tokens` (then `last`), -1 all of them (the whole context), 0 none. The one
+        owner of the window in Python; the native round extends it as it decodes
+        (native/sampling.hpp, push_history) with the same semantics."""
+        n = self.repeat_last_n
+        if not self.penalized:
+            return []
+        if last is None:
+            return list(tokens) if n < 0 else tokens[-n:]
+        head = tokens if n < 0 else tokens[len(tokens) - min(len(tokens), n - 1):]  # n - 1 may be 0
+        return [*head, last]
+
     def replace(self, **changes) -> "SamplerSettings":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 

@@ -76,48 +76,94 @@ py::tuple py_verify(FloatArray rows, const std::vector<int32_t>& drafts, py::obj
     return py::make_tuple(v.accepted, v.next);
 }
 
-py::dict py_round(uintptr_t target, uintptr_t draft, std::vector<llama_token> draft_feed, int draft_n_past,
-                  llama_token last, int target_n_past, int k, float p_min, std::vector<llama_token> proposals,
-                  std::vector<int32_t> history, const SamplerParams& p, const std::string& rule, Rng& rng,
-                  int plain_steps, double plain_budget_s, bool stable_shapes, bool in_flight, bool overlap,
-                  bool cap_ends_reply) {
-    RoundInput in;
-    in.target = as_ctx(target);
-    in.draft = draft ? as_ctx(draft) : nullptr;
-    in.draft_feed = std::move(draft_feed);
-    in.draft_n_past = draft_n_past;
-    in.last = last;
-    in.target_n_past = target_n_past;
-    in.k = k;
-    in.p_min = p_min;
-    in.proposals = std::move(proposals);
-    in.history = std::move(history);
-    in.params = p;
-    in.rule = rule_of(rule);
-    in.plain_steps = std::max(1, plain_steps);
-    in.plain_budget_s = plain_budget_s;
-    in.stable_shapes = stable_shapes;
-    in.in_flight = in_flight;
-    in.overlap = overlap;
-    in.cap_ends_reply = cap_ends_reply;
-    if (in_flight && k > 0) throw std::invalid_argument("a round with drafts cannot start from a decode in flight");
-    if (in.draft && k > 0 && in.draft_feed.empty()) throw std::invalid_argument("draft_feed must end with last");
+const char* rule_name(AcceptRule r) { return r == AcceptRule::Match ? "match" : "rejection"; }
+
+std::string tokens_repr(const std::vector<llama_token>& v) {
+    std::string out = "[";
+    for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+    return out + "]";
+}
+
+RoundResult py_round(const RoundPlan& plan, Rng& rng) {
+    if (!plan.target) throw std::invalid_argument("the plan has no target context");
+    if (plan.in_flight && plan.k > 0)
+        throw std::invalid_argument("a round with drafts cannot start from a decode in flight");
+    if (plan.draft && plan.k > 0 && plan.draft_feed.empty()) throw std::invalid_argument("draft_feed must end with last");
+    RoundPlan in = plan;
+    in.plain_steps = std::max(1, plan.plain_steps);
     RoundResult r;
     {
         py::gil_scoped_release release;  // the TUI keeps drawing while llama.cpp works
         r = run_round(in, rng);
     }
     if (!r.error.empty()) throw std::runtime_error(r.error);
-    py::dict d;
-    d["drafts"] = r.drafts;
-    d["accepted"] = r.accepted;
-    d["next"] = r.next;
-    d["more"] = r.more;
-    d["draft_evaluated"] = r.draft_evaluated;
-    d["in_flight"] = r.in_flight;
-    d["draft_s"] = r.draft_s;
-    d["verify_s"] = r.verify_s;
-    return d;
+    return r;
+}
+
+// The context pointers cross as addresses (Context.address); Python owns the contexts.
+template <llama_context* RoundPlan::*field>
+void bind_context(py::class_<RoundPlan>& c, const char* name) {
+    c.def_property(name, [](const RoundPlan& p) { return reinterpret_cast<uintptr_t>(p.*field); },
+                   [](RoundPlan& p, uintptr_t address) { p.*field = as_ctx(address); });
+}
+
+void bind_round(py::module_& m) {
+    py::class_<RoundPlan> plan(m, "RoundPlan", "Everything one native round needs (native/round.hpp).");
+    plan.def(py::init<>());
+    bind_context<&RoundPlan::target>(plan, "target");
+    bind_context<&RoundPlan::draft>(plan, "draft");
+    plan.def_readwrite("seq", &RoundPlan::seq)
+        .def_readwrite("draft_feed", &RoundPlan::draft_feed)
+        .def_readwrite("draft_n_past", &RoundPlan::draft_n_past)
+        .def_readwrite("last", &RoundPlan::last)
+        .def_readwrite("target_n_past", &RoundPlan::target_n_past)
+        .def_readwrite("k", &RoundPlan::k)
+        .def_readwrite("p_min", &RoundPlan::p_min)
+        .def_readwrite("proposals", &RoundPlan::proposals)
+        .def_readwrite("history", &RoundPlan::history)
+        .def_readwrite("params", &RoundPlan::params)
+        .def_property("rule", [](const RoundPlan& p) { return std::string(rule_name(p.rule)); },
+                      [](RoundPlan& p, const std::string& name) { p.rule = rule_of(name); })
+        .def_readwrite("plain_steps", &RoundPlan::plain_steps)
+        .def_readwrite("plain_budget_s", &RoundPlan::plain_budget_s)
+        .def_readwrite("stable_shapes", &RoundPlan::stable_shapes)
+        .def_readwrite("in_flight", &RoundPlan::in_flight)
+        .def_readwrite("overlap", &RoundPlan::overlap)
+        .def_readwrite("cap_ends_reply", &RoundPlan::cap_ends_reply)
+        .def("__repr__", [](const RoundPlan& p) {
+            return "RoundPlan(seq=" + std::to_string(p.seq) + ", last=" + std::to_string(p.last) +
+                   ", target_n_past=" + std::to_string(p.target_n_past) + ", k=" + std::to_string(p.k) +
+                   (p.draft ? ", draft_feed=" + tokens_repr(p.draft_feed) : "") +
+                   (p.proposals.empty() ? "" : ", proposals=" + tokens_repr(p.proposals)) +
+                   ", plain_steps=" + std::to_string(p.plain_steps) + ", rule='" + rule_name(p.rule) + "'" +
+                   (p.in_flight ? ", in_flight" : "") + (p.overlap ? ", overlap" : "") + ")";
+        });
+
+    py::class_<KvWrite>(m, "KvWrite", "What a round left in one context's KV (native/round.hpp).")
+        .def_readonly("pos", &KvWrite::pos)
+        .def_readonly("kept", &KvWrite::kept)
+        .def_readonly("dropped", &KvWrite::dropped)
+        .def_readonly("in_flight", &KvWrite::in_flight)
+        .def("__repr__", [](const KvWrite& w) {
+            return "KvWrite(pos=" + std::to_string(w.pos) + ", kept=" + tokens_repr(w.kept) + ", dropped=" +
+                   std::to_string(w.dropped) + (w.in_flight ? ", in_flight" : "") + ")";
+        });
+
+    py::class_<RoundResult>(m, "RoundResult", "What one native round decided and decoded (native/round.hpp).")
+        .def_readonly("drafts", &RoundResult::drafts)
+        .def_readonly("accepted", &RoundResult::accepted)
+        .def_readonly("next", &RoundResult::next)
+        .def_readonly("more", &RoundResult::more)
+        .def_readonly("target", &RoundResult::target)
+        .def_readonly("draft", &RoundResult::draft)
+        .def_readonly("draft_s", &RoundResult::draft_s)
+        .def_readonly("verify_s", &RoundResult::verify_s)
+        .def("__repr__", [](const RoundResult& r) {
+            return "RoundResult(drafts=" + tokens_repr(r.drafts) + ", accepted=" + std::to_string(r.accepted) +
+                   ", next=" + std::to_string(r.next) + ", more=" + tokens_repr(r.more) + ")";
+        });
+    m.def("round", &py_round, py::arg("plan"), py::arg("rng"),
+          "One speculative round (a plain step or stretch when plan.k is 0).");
 }
 
 // {weight name: (sums float64 (n_mat, n_cols), rows seen int64 (n_mat,))}
@@ -214,7 +260,8 @@ PYBIND11_MODULE(_native_ext, m) {
         .def_readwrite("top_p", &SamplerParams::top_p)
         .def_readwrite("min_p", &SamplerParams::min_p)
         .def_readwrite("repeat_penalty", &SamplerParams::repeat_penalty)
-        .def_readwrite("repeat_last_n", &SamplerParams::repeat_last_n);
+        .def_readwrite("repeat_last_n", &SamplerParams::repeat_last_n)
+        .def_property_readonly("penalty_on", &penalty_on);
 
     py::class_<Rng>(m, "Rng")
         .def(py::init<uint64_t>(), py::arg("seed"))
@@ -245,11 +292,7 @@ PYBIND11_MODULE(_native_ext, m) {
         if (t < 0) throw std::runtime_error("no logits to sample from");
         return t;
     });
-    m.def("round", &py_round, py::arg("target"), py::arg("draft"), py::arg("draft_feed"), py::arg("draft_n_past"),
-          py::arg("last"), py::arg("target_n_past"), py::arg("k"), py::arg("p_min"), py::arg("proposals"),
-          py::arg("history"), py::arg("params"), py::arg("rule"), py::arg("rng"), py::arg("plain_steps") = 1,
-          py::arg("plain_budget_s") = 0.05, py::arg("stable_shapes") = false, py::arg("in_flight") = false,
-          py::arg("overlap") = false, py::arg("cap_ends_reply") = false);
+    bind_round(m);
 
     py::class_<ImatrixCollector>(m, "ImatrixCollector")
         .def(py::init<>())

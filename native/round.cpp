@@ -20,13 +20,13 @@ struct Batch {
     Batch(const Batch&) = delete;
     Batch& operator=(const Batch&) = delete;
 
-    void set(const std::vector<llama_token>& tokens, int pos0, bool all_logits) {
+    void set(const std::vector<llama_token>& tokens, int pos0, int seq, bool all_logits) {
         b.n_tokens = static_cast<int32_t>(tokens.size());
         for (size_t i = 0; i < tokens.size(); ++i) {
             b.token[i] = tokens[i];
             b.pos[i] = pos0 + static_cast<int>(i);
             b.n_seq_id[i] = 1;
-            b.seq_id[i][0] = 0;
+            b.seq_id[i][0] = seq;
             b.logits[i] = all_logits || i + 1 == tokens.size();
         }
     }
@@ -38,7 +38,7 @@ int n_vocab_of(llama_context* ctx) {
 
 // The draft's choice from its logits; sets `confident` false when its top probability < p_min.
 llama_token draft_choice(const float* logits, int n_vocab, const std::vector<int32_t>& history,
-                         const RoundInput& in, Rng& rng, std::vector<float>& dist, bool& confident) {
+                         const RoundPlan& in, Rng& rng, std::vector<float>& dist, bool& confident) {
     if (in.params.greedy()) {
         const llama_token x = greedy_pick(logits, n_vocab, history, in.params);
         confident = top_share_reaches(logits, n_vocab, x, in.p_min);
@@ -50,17 +50,19 @@ llama_token draft_choice(const float* logits, int n_vocab, const std::vector<int
 }
 
 // Draft up to k tokens on the draft context. q gets the distribution of each (T > 0).
-bool draft_tokens(const RoundInput& in, Rng& rng, RoundResult& res, std::vector<std::vector<float>>& q) {
+bool draft_tokens(const RoundPlan& in, Rng& rng, RoundResult& res, std::vector<std::vector<float>>& q) {
     const int n_vocab = n_vocab_of(in.draft);
     Batch batch(static_cast<int>(in.draft_feed.size()));
     int pos = in.draft_n_past;
     auto decode = [&](const std::vector<llama_token>& tokens) {
-        batch.set(tokens, pos, false);  // logits for the last token
+        batch.set(tokens, pos, in.seq, false);  // logits for the last token
         pos += static_cast<int>(tokens.size());
         if (llama_decode(in.draft, batch.b) == 0) return true;
         res.error = "draft llama_decode failed";
         return false;
     };
+    res.draft.pos = in.draft_n_past;
+    res.draft.kept = in.draft_feed;  // what it holds after the feed; decoded drafts follow
     if (in.stable_shapes) {
         for (llama_token t : in.draft_feed)
             if (!decode({t})) return false;
@@ -77,11 +79,11 @@ bool draft_tokens(const RoundInput& in, Rng& rng, RoundResult& res, std::vector<
         if (!confident) break;  // an unsure draft is likely rejected: verify what we have
         res.drafts.push_back(x);
         if (!in.params.greedy()) q.push_back(dist);
-        history.push_back(x);
+        push_history(history, x, in.params);
         // evaluate x only when another token will be drafted after it (or shapes must not change)
         if (static_cast<int>(res.drafts.size()) == in.k && !in.stable_shapes) break;
         if (!decode({x})) return false;
-        ++res.draft_evaluated;
+        res.draft.kept.push_back(x);  // in the draft's KV: its own proposal, not yet verified
     }
     return true;
 }
@@ -89,36 +91,32 @@ bool draft_tokens(const RoundInput& in, Rng& rng, RoundResult& res, std::vector<
 // Plain decoding without returning to Python: after `next`, keep decoding one token at a time
 // until plain_steps tokens, an end-of-generation token, or the time budget. Python's per-token
 // work (records, stats) is then paid once per call, which matters when a GPU step takes ~1 ms.
-void plain_run(const RoundInput& in, Rng& rng, Batch& batch, RoundResult& res, Clock::time_point t0) {
+void plain_run(const RoundPlan& in, Rng& rng, Batch& batch, RoundResult& res, Clock::time_point t0) {
     const llama_vocab* vocab = llama_model_get_vocab(llama_get_model(in.target));
-    const bool penalize = in.params.repeat_penalty != 1.0f && in.params.repeat_last_n != 0;
     std::vector<int32_t> history = in.history;
     llama_token cur = res.next;
     int pos = in.target_n_past + 1;
     while (static_cast<int>(res.more.size()) + 1 < in.plain_steps && !llama_vocab_is_eog(vocab, cur) &&
            since(t0) < in.plain_budget_s) {
-        batch.set({cur}, pos++, true);
+        batch.set({cur}, pos++, in.seq, true);
         if (llama_decode(in.target, batch.b) != 0) { res.error = "target llama_decode failed"; return; }
-        if (penalize) {
-            history.push_back(cur);
-            if (in.params.repeat_last_n > 0 && history.size() > static_cast<size_t>(in.params.repeat_last_n))
-                history.erase(history.begin());
-        }
+        res.target.kept.push_back(cur);
+        push_history(history, cur, in.params);
         cur = sample_context(in.target, -1, history, in.params, rng);
         if (cur < 0) { res.error = "target produced no logits"; return; }
         res.more.push_back(cur);
     }
     const bool capped = static_cast<int>(res.more.size()) + 1 >= in.plain_steps;
     if (in.overlap && res.error.empty() && !llama_vocab_is_eog(vocab, cur) && !(capped && in.cap_ends_reply)) {
-        batch.set({cur}, pos, true);
+        batch.set({cur}, pos, in.seq, true);
         if (llama_decode(in.target, batch.b) != 0) { res.error = "target llama_decode failed"; return; }
-        res.in_flight = true;  // a GPU computes it while the caller handles the tokens
+        res.target.in_flight = true;  // a GPU computes it while the caller handles the tokens
     }
 }
 
 }  // namespace
 
-RoundResult run_round(const RoundInput& in, Rng& rng) {
+RoundResult run_round(const RoundPlan& in, Rng& rng) {
     RoundResult res;
     std::vector<std::vector<float>> q;
     const auto t0 = Clock::now();
@@ -136,7 +134,7 @@ RoundResult run_round(const RoundInput& in, Rng& rng) {
     tokens.insert(tokens.end(), res.drafts.begin(), res.drafts.end());
     Batch batch(static_cast<int>(tokens.size()));
     if (!in.in_flight) {
-        batch.set(tokens, in.target_n_past, true);
+        batch.set(tokens, in.target_n_past, in.seq, true);
         if (llama_decode(in.target, batch.b) != 0) { res.error = "target llama_decode failed"; return res; }
     }
     if (res.drafts.empty()) {
@@ -157,11 +155,12 @@ RoundResult run_round(const RoundInput& in, Rng& rng) {
         res.accepted = v.accepted;
         res.next = v.next;
     }
-    // keep `last` and the accepted drafts in the target's KV; the rejected tail goes
-    if (!llama_memory_seq_rm(llama_get_memory(in.target), 0, in.target_n_past + 1 + res.accepted, -1)) {
-        res.error = "could not trim the target's KV cache";
-    }
-    if (res.error.empty() && res.drafts.empty() && in.plain_steps > 1) plain_run(in, rng, batch, res, t1);
+    // the target's KV keeps `last` and the accepted drafts; its owner trims the rejected tail
+    res.target.pos = in.target_n_past;
+    res.target.kept.push_back(in.last);
+    res.target.kept.insert(res.target.kept.end(), res.drafts.begin(), res.drafts.begin() + res.accepted);
+    res.target.dropped = static_cast<int>(res.drafts.size()) - res.accepted;
+    if (res.drafts.empty() && in.plain_steps > 1) plain_run(in, rng, batch, res, t1);
     res.verify_s = since(t1);
     return res;
 }

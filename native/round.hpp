@@ -1,4 +1,6 @@
-// One speculative round on llama.cpp contexts, with no Python between draft steps.
+// One speculative round on llama.cpp contexts, with no Python between draft steps. Python builds
+// one RoundPlan (edgerun/decode/speculative.py) and commits the RoundResult's KvWrites to its
+// contexts (edgerun/runtime/engine.py, Context.commit): the round decodes, the context records.
 #pragma once
 
 #include <llama.h>
@@ -10,9 +12,10 @@
 
 namespace edgerun {
 
-struct RoundInput {
+struct RoundPlan {
     llama_context* target = nullptr;
     llama_context* draft = nullptr;      // null: use `proposals` (n-gram drafter) or plain step
+    int seq = 0;                         // the sequence (llama_seq_id) in both contexts
     std::vector<llama_token> draft_feed; // tokens the draft's KV lacks, ending with `last`
     int draft_n_past = 0;                // where draft_feed starts
     llama_token last = 0;                // the newest token, not yet in the target's KV
@@ -20,7 +23,7 @@ struct RoundInput {
     int k = 0;                           // most tokens to draft (0: a plain decoding step)
     float p_min = 0.0f;                  // stop drafting when the draft's top probability is below
     std::vector<llama_token> proposals;  // drafts given from outside (used when draft is null)
-    std::vector<int32_t> history;        // recent committed tokens, for the repetition penalty
+    std::vector<int32_t> history;        // committed tokens the repetition penalty may see
     SamplerParams params;
     AcceptRule rule = AcceptRule::Rejection;
     int plain_steps = 1;                 // k = 0: decode up to this many tokens in one call
@@ -40,18 +43,28 @@ struct RoundInput {
     bool cap_ends_reply = false;  // reaching plain_steps ends the reply: nothing to overlap then
 };
 
+// What a round left in one context's KV for the plan's sequence, for its owner to record.
+struct KvWrite {
+    int pos = 0;                      // where `kept` starts (the context's n_past before the round)
+    std::vector<llama_token> kept;    // the tokens the cache now holds from pos on, in order
+    int dropped = 0;                  // positions after kept the round decoded and does not keep
+                                      // (rejected drafts): the owner trims them
+    bool in_flight = false;           // one more decode after kept, its pick not yet read
+};
+
 struct RoundResult {
     std::vector<llama_token> drafts;  // what was proposed
     int accepted = 0;
     llama_token next = -1;
     std::vector<llama_token> more;  // k = 0 with plain_steps > 1: the tokens after `next`, in order
-    int draft_evaluated = 0;  // leading drafts now in the draft's KV (after draft_feed)
-    bool in_flight = false;   // the newest token (more.back(), else next) is decoded, its pick not read
+    KvWrite target;                 // `last`, the accepted drafts, and a plain run's tokens but its newest
+    KvWrite draft;                  // the feed and the drafts the draft evaluated (model drafts only)
     double draft_s = 0, verify_s = 0;
-    std::string error;        // non-empty: llama.cpp failed; contexts are as before the verify
+    std::string error;        // non-empty: llama.cpp failed; what the KVs hold past their
+                              // recorded tokens is for the owner to drop
 };
 
-RoundResult run_round(const RoundInput& in, Rng& rng);
+RoundResult run_round(const RoundPlan& plan, Rng& rng);
 
 // Sample from output `idx` of the last decode of ctx (the first token after a prompt), or take
 // the token a greedy sampler attached to ctx picked inside the graph.

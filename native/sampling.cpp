@@ -37,8 +37,16 @@ uint64_t Rng::next() {
 
 double Rng::uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
 
+bool penalty_on(const SamplerParams& p) { return p.repeat_penalty != 1.0f && p.repeat_last_n != 0; }
+
+void push_history(std::vector<int32_t>& history, int32_t token, const SamplerParams& p) {
+    if (!penalty_on(p)) return;
+    history.push_back(token);
+    if (p.repeat_last_n > 0 && history.size() > static_cast<size_t>(p.repeat_last_n)) history.erase(history.begin());
+}
+
 void apply_penalty(float* logits, int n_vocab, const std::vector<int32_t>& history, const SamplerParams& p) {
-    if (p.repeat_penalty == 1.0f || p.repeat_last_n == 0) return;
+    if (!penalty_on(p)) return;
     const size_t n = history.size();
     const size_t start = p.repeat_last_n < 0 ? 0 : n - std::min(n, static_cast<size_t>(p.repeat_last_n));
     std::unordered_set<int32_t> seen(history.begin() + start, history.end());
@@ -141,7 +149,7 @@ bool top_share_reaches(const float* logits, int n, int32_t x, double p_min) {
 }
 
 bool penalty_active(const std::vector<int32_t>& history, const SamplerParams& p) {
-    return p.repeat_penalty != 1.0f && p.repeat_last_n != 0 && !history.empty();
+    return penalty_on(p) && !history.empty();
 }
 
 int32_t greedy_pick(const float* logits, int n_vocab, const std::vector<int32_t>& history, const SamplerParams& p) {
@@ -277,7 +285,7 @@ Verdict verify(const std::vector<const float*>& rows, int n_vocab, const std::ve
             }
         }
         ++v.accepted;
-        history.push_back(drafts[i]);
+        push_history(history, drafts[i], p);
     }
     return v;  // unreachable: the bonus row always returns
 }

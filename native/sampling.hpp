@@ -29,8 +29,16 @@ class Rng {
     uint64_t s_[4];
 };
 
-// llama.cpp's repetition penalty: logits of tokens seen in the last repeat_last_n history
-// entries are divided by the penalty when positive, multiplied when negative.
+// The repetition window, as llama.cpp means repeat_last_n: the last N tokens, -1 the whole
+// context, 0 none (and none with a penalty of 1). Python's RepeatWindow (decode/generate.py)
+// hands the round the committed part; tokens the round adds go through push_history.
+bool penalty_on(const SamplerParams& p);
+
+// Append a token the round produced to its history, keeping it within the window.
+void push_history(std::vector<int32_t>& history, int32_t token, const SamplerParams& p);
+
+// llama.cpp's repetition penalty: logits of tokens seen in the window of the history are
+// divided by the penalty when positive, multiplied when negative.
 void apply_penalty(float* logits, int n_vocab, const std::vector<int32_t>& history, const SamplerParams& p);
 
 // The first index of the largest value.

@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from edgerun import user_settings
+from edgerun import _native, user_settings
 from edgerun.cli import build_parser
 from edgerun.commands import _chat_overrides
 from edgerun.decode import governor
 from edgerun.decode.generate import Step, first_pick, generate, native_params, native_rng, native_round
 from edgerun.decode.speculative import Round, SpecConfig
-from edgerun.errors import EngineError
+from edgerun.errors import ConfigError, EngineError
 from edgerun.runtime.engine import Context, Model
 from edgerun.settings import EngineSettings, SamplerSettings
 
@@ -114,13 +114,13 @@ def test_what_the_native_extension_raises_is_an_engine_error(ctx):
     params, rng = native_params(SamplerSettings(temperature=0.0)), native_rng(1)
     with pytest.raises(EngineError, match="sampling the first token"):
         first_pick(ctx, [], params, rng)  # no decode yet: no logits to sample from
-    args = dict(target=ctx.address, draft=0, draft_feed=[], draft_n_past=0, last=ctx.model.n_vocab + 5,
-                target_n_past=0, k=0, p_min=0.2, proposals=[])
+    plan = _native.RoundPlan()
+    plan.target, plan.last, plan.params = ctx.address, ctx.model.n_vocab + 5, params  # a token outside the vocabulary
     with pytest.raises(EngineError, match="decoding a round") as failed:
-        native_round(args, history=[], params=params, rule="rejection", rng=rng)  # a token outside the vocabulary
+        native_round(plan, rng)
     assert "target llama_decode failed" in str(failed.value)
-    with pytest.raises(EngineError, match="rule must be"):
-        native_round(args | dict(last=1), history=[], params=params, rule="coin-flip", rng=rng)
+    with pytest.raises(ConfigError, match="rule must be"):
+        SpecConfig(rule="coin-flip")
     with pytest.raises(EngineError, match="seed from 0"):
         native_rng(-1)
     with pytest.raises(EngineError, match="top-k"):
@@ -130,7 +130,7 @@ def test_what_the_native_extension_raises_is_an_engine_error(ctx):
 def _speculate(ctx, prompt, k):
     """A greedy reply with n-gram drafts of fixed length k: its tokens and rounds."""
     records = list(generate(ctx, prompt, SamplerSettings(temperature=0.0), max_tokens=40,
-                            spec=SpecConfig(ngram=True, k=k)))
+                            spec_config=SpecConfig(ngram=True, k=k)))
     steps = [r for r in records if isinstance(r, Step)]
     assert steps[-1].finish in ("length", "stop") and len(steps) > 8
     return steps, [r for r in records if isinstance(r, Round)]
@@ -195,7 +195,7 @@ async def test_the_app_runs_command_line_flags_over_saved_settings_without_savin
         await _until(pilot, lambda: app.session is not None)
         status = str(app.query_one("#status").render())
         assert "command line: temp 0.0, ngram, seed 3" in status, status
-        assert app.session.runner.spec.ngram and app.session.runner.spec.k == 3  # saved spec_k 8, batch 4
+        assert app.session.runner.spec_config.ngram and app.session.runner.spec_config.k == 3  # saved spec_k 8, batch 4
         await _until(pilot, lambda: "spec-k 8" in _notes_of(app), timeout=10)
         assert _notes_of(app).count("spec-k 8") == 1 and len(app.session.runner.notes) == 1
         entry = await _reply(app, pilot, PROMPT)

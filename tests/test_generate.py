@@ -77,7 +77,7 @@ def test_max_tokens_and_stats(runner):
     for r in records:
         stats.add(r)
     assert stats.generated_tokens == 10 and stats.finish == "length"
-    assert 0 < stats.ttft_s < 30 and stats.decode_tok_s > 1
+    assert 0 < stats.ttft_s <= steps[-1].t and stats.decode_tok_s > 0  # no speed threshold: a loaded machine is slow
     assert all(b.t >= a.t for a, b in zip(steps, steps[1:]))
 
 
@@ -122,7 +122,7 @@ def test_a_greedy_pick_inside_the_graph_matches_the_hosts(runner):
     for on_device in (False, True):
         runner.ctx.trim(0)
         spec = SpecConfig(device_greedy=on_device)
-        steps = [r for r in generate(runner.ctx, tokens, GREEDY, max_tokens=40, spec=spec) if isinstance(r, Step)]
+        steps = [r for r in generate(runner.ctx, tokens, GREEDY, max_tokens=40, spec_config=spec) if isinstance(r, Step)]
         replies[on_device] = [s.token for s in steps]
         assert runner.ctx.picks_on_device == on_device
         if on_device:
@@ -132,7 +132,7 @@ def test_a_greedy_pick_inside_the_graph_matches_the_hosts(runner):
     hot = SamplerSettings(temperature=0.8, seed=3)  # sampling needs the logits: detached again
     runner.ctx.trim(0)
     assert any(isinstance(r, Step) for r in generate(runner.ctx, tokens, hot, max_tokens=4,
-                                                    spec=SpecConfig(device_greedy=True)))
+                                                    spec_config=SpecConfig(device_greedy=True)))
     assert not runner.ctx.picks_on_device
     assert runner.ctx.logits().shape == (runner.model.n_vocab,)
 
@@ -149,9 +149,9 @@ def test_a_decode_left_in_flight_changes_nothing(runner, device_greedy, monkeypa
     in_flight = []  # what each native round reported: the real call, watched
     real_round = generate_module._native.round
 
-    def watched(**args):
-        result = real_round(**args)
-        in_flight.append(result["in_flight"])
+    def watched(plan, rng):
+        result = real_round(plan, rng)
+        in_flight.append(result.target.in_flight)
         return result
 
     monkeypatch.setattr(generate_module._native, "round", watched)
@@ -161,16 +161,16 @@ def test_a_decode_left_in_flight_changes_nothing(runner, device_greedy, monkeypa
         runner.ctx.trim(0)
         in_flight.clear()
         spec = SpecConfig(overlap=overlap, device_greedy=device_greedy)
-        records = list(generate(runner.ctx, tokens, GREEDY, max_tokens=60, spec=spec))
+        records = list(generate(runner.ctx, tokens, GREEDY, max_tokens=60, spec_config=spec))
         replies[overlap] = [r.token for r in records if isinstance(r, Step)]
         assert llama_cpp.llama_memory_seq_pos_max(runner.ctx.mem, 0) == runner.ctx.n_past - 1
         assert any(in_flight) == overlap, in_flight  # the overlap did happen (and only when asked)
     assert replies[True] == replies[False] and len(replies[True]) == 60
     cancel = threading.Event()
     spec = SpecConfig(overlap=True, device_greedy=device_greedy)
-    for r in generate(runner.ctx, tokens, GREEDY, max_tokens=60, cancel=cancel, spec=spec):
+    for r in generate(runner.ctx, tokens, GREEDY, max_tokens=60, cancel=cancel, spec_config=spec):
         if isinstance(r, Step) and r.token == replies[True][5]:
             cancel.set()
     assert llama_cpp.llama_memory_seq_pos_max(runner.ctx.mem, 0) == runner.ctx.n_past - 1
-    steps = [r for r in generate(runner.ctx, tokens, GREEDY, max_tokens=60, spec=spec) if isinstance(r, Step)]
+    steps = [r for r in generate(runner.ctx, tokens, GREEDY, max_tokens=60, spec_config=spec) if isinstance(r, Step)]
     assert [s.token for s in steps] == replies[True]

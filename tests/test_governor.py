@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgerun.decode import governor as gov
-from edgerun.decode.governor import GovernorState, choose, expected_tokens, rate, update, verify_time
+from edgerun.decode.governor import Decision, GovernorMemory, GovernorState, Kind, choose, expected_tokens, rate, update, verify_time
 
 STEP = 0.02  # one target decoding step, seconds
 
@@ -43,11 +43,11 @@ def accepted_run(gen: np.random.Generator, alpha: float, k: int) -> int:
     return n
 
 
-def play(state: GovernorState, k: int, costs: Costs, alpha: float, gen: np.random.Generator, why: str = ""):
+def play(state: GovernorState, k: int, costs: Costs, alpha: float, gen: np.random.Generator):
     """One round with k drafts: (new state, tokens produced, seconds spent)."""
     accepted = accepted_run(gen, alpha, k)
     draft_s, verify_s = costs.draft_s(k), costs.verify_s(k + 1)
-    state = update(state, k=k, drafted=k, accepted=accepted, draft_s=draft_s, verify_s=verify_s, decided=why)
+    state = update(state, k=k, drafted=k, accepted=accepted, draft_s=draft_s, verify_s=verify_s)
     return state, accepted + 1, draft_s + verify_s
 
 
@@ -56,8 +56,8 @@ def session(costs: Costs, alpha: float, rounds: int, seed: int = 0):
     gen = np.random.default_rng(seed)
     state, tokens, seconds, ks = GovernorState(), 0, 0.0, []
     for _ in range(rounds):
-        k, why = choose(state)
-        state, t, s = play(state, k, costs, alpha, gen, why)
+        k = choose(state).k
+        state, t, s = play(state, k, costs, alpha, gen)
         tokens, seconds = tokens + t, seconds + s
         ks.append(k)
     return tokens / seconds, ks, state
@@ -67,9 +67,9 @@ def measured(costs: Costs, alpha: float = gov.PRIOR_ALPHA) -> GovernorState:
     """A state that has seen one plain round and the warm-up k=2 rounds (what choose() asks for
     first), with its acceptance estimate then set to alpha."""
     s = GovernorState()
-    s = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=costs.verify_s(1), decided="")
+    s = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=costs.verify_s(1))
     for _ in range(gov.WARM_ROUNDS):
-        s = update(s, k=2, drafted=2, accepted=1, draft_s=costs.draft_s(2), verify_s=costs.verify_s(3), decided="")
+        s = update(s, k=2, drafted=2, accepted=1, draft_s=costs.draft_s(2), verify_s=costs.verify_s(3))
     return replace(s, alpha=alpha, accepted_ema=alpha * s.trials_ema)
 
 
@@ -109,38 +109,39 @@ def test_verify_time_measured_then_interpolated():
 
 def test_plain_first_then_the_draft_is_measured():
     s = GovernorState()
-    assert choose(s) == (0, "measuring plain decoding")
-    s = update(s, k=0, drafted=0, accepted=0, draft_s=0, verify_s=STEP, decided="")
-    k, why = choose(s)
-    assert k == 2 and "measuring the draft" in why
-    assert choose(s, available=1)[0] == 1
-    assert choose(s, available=0)[0] == 0
+    assert (choose(s).kind, choose(s).k) == (Kind.MEASURE, 0)
+    s = update(s, k=0, drafted=0, accepted=0, draft_s=0, verify_s=STEP)
+    d = choose(s)
+    assert (d.kind, d.k) == (Kind.MEASURE, 2)
+    assert choose(s, available=1).k == 1
+    assert choose(s, available=0) == Decision(Kind.NONE, 0, choose(s, available=0).reason)
 
 
 def test_cheap_draft_with_high_acceptance_drafts():
-    k, why = choose(measured(CHEAP, alpha=0.9))
-    assert k > 0 and f"k={k}" in why
+    d = choose(measured(CHEAP, alpha=0.9))
+    k = d.k
+    assert k > 0 and d.kind in (Kind.DRAFT, Kind.MEASURE)
     assert rate(measured(CHEAP, alpha=0.9), k) > rate(measured(CHEAP, alpha=0.9), 0)
 
 
 def test_expensive_draft_with_mediocre_acceptance_stays_plain():
     s = measured(EXPENSIVE, alpha=0.6)
-    k, why = choose(s)
-    assert k == 0 and "draft off" in why
+    d = choose(s)
+    assert d.k == 0 and d.kind is Kind.PLAIN and not d.gives_up
     assert all(rate(s, j) < rate(s, 0) for j in range(1, gov.K_MAX + 1))
 
 
 @pytest.mark.parametrize("available", [0, 1, 2, 3, 5, 20])
 def test_available_caps_k(available):
     s = measured(CHEAP, alpha=0.99)
-    k, _ = choose(s, available=available)
+    k = choose(s, available=available).k
     assert k == min(available, gov.K_MAX)  # near-certain acceptance: as many as allowed
 
 
 def test_k_max_caps_k():
     s = replace(measured(CHEAP, alpha=0.99), k_max=3)
-    assert choose(s)[0] == 3
-    assert choose(replace(s, k_max=0)) == (0, "no draft available: plain step")
+    assert choose(s).k == 3
+    assert (choose(replace(s, k_max=0)).kind, choose(replace(s, k_max=0)).k) == (Kind.NONE, 0)
 
 
 def test_probes_come_at_doubling_intervals_while_the_draft_loses():
@@ -148,15 +149,16 @@ def test_probes_come_at_doubling_intervals_while_the_draft_loses():
     s = measured(EXPENSIVE)
     gaps, plain_run, probe_everys = [], 0, []
     for _ in range(1200):
-        k, why = choose(s)
+        d = choose(s)
+        k = d.k
         if k > 0:
-            assert k == 1 and "re-checking" in why
+            assert (d.kind, k) == (Kind.PROBE, 1)
             gaps.append(plain_run)
             probe_everys.append(s.probe_every)
             plain_run = 0
         else:
             plain_run += 1
-        s, _, _ = play(s, k, EXPENSIVE, 0.6, gen, why)
+        s, _, _ = play(s, k, EXPENSIVE, 0.6, gen)
     assert gaps[:6] == [8, 16, 32, 64, 128, 256]
     assert all(g == gov.PROBE_MAX for g in gaps[6:]) and len(gaps) >= 7
     assert probe_everys[:7] == [8, 16, 32, 64, 128, 256, 256]
@@ -185,9 +187,11 @@ def states(draw):
 @given(s=states(), available=st.one_of(st.none(), st.integers(0, 12)))
 @settings(max_examples=500)
 def test_choose_respects_caps_and_only_drafts_when_it_pays(s, available):
-    k, why = choose(s, available)
+    d = choose(s, available)
+    k = d.k
     cap = s.k_max if available is None else min(s.k_max, available)
-    assert 0 <= k <= cap and isinstance(why, str) and why
+    assert 0 <= k <= cap and isinstance(d.kind, Kind) and d.reason
+    assert d.gives_up == (d.kind in (Kind.HOPELESS, Kind.COSTLY)) and (k == 0 or not d.gives_up)
     plain = rate(s, 0)
     if cap == 0 or plain is None:
         assert k == 0
@@ -213,12 +217,11 @@ def test_choose_respects_caps_and_only_drafts_when_it_pays(s, available):
 @settings(max_examples=300)
 def test_update_keeps_the_state_sane(s, k, accepted, draft_s, verify_s):
     accepted = min(accepted, k)
-    new = update(s, k=k, drafted=k, accepted=accepted, draft_s=draft_s, verify_s=verify_s, decided="x")
+    new = update(s, k=k, drafted=k, accepted=accepted, draft_s=draft_s, verify_s=verify_s)
     assert 0.0 <= new.alpha <= 1.0
     assert gov.PROBE_FIRST <= new.probe_every <= gov.PROBE_MAX or new.probe_every == s.probe_every
     assert dict(new.verify_s).keys() >= {k + 1}
     assert new.plain_rounds == (s.plain_rounds + 1 if k == 0 else 0)
-    assert new.decided == "x"
 
 
 # ---------------------------------------------------------------- learning acceptance
@@ -239,7 +242,7 @@ def test_acceptance_estimate_is_consistent(alpha, k):
 
 def test_acceptance_prior_before_any_draft():
     assert GovernorState().alpha == gov.PRIOR_ALPHA
-    s = update(GovernorState(), k=0, drafted=0, accepted=0, draft_s=0, verify_s=STEP, decided="")
+    s = update(GovernorState(), k=0, drafted=0, accepted=0, draft_s=0, verify_s=STEP)
     assert s.alpha == gov.PRIOR_ALPHA  # plain rounds say nothing about acceptance
 
 
@@ -274,13 +277,12 @@ def test_session_recovers_when_the_draft_turns_good():
     gen = np.random.default_rng(5)
     s = GovernorState()
     for _ in range(300):
-        k, why = choose(s)
-        s, _, _ = play(s, k, CHEAP, 0.05, gen, why)
-    assert choose(s)[0] == 0 or s.plain_rounds >= s.probe_every
+        s, _, _ = play(s, choose(s).k, CHEAP, 0.05, gen)
+    assert choose(s).k == 0 or s.plain_rounds >= s.probe_every
     ks = []
     for _ in range(600):
-        k, why = choose(s)
-        s, _, _ = play(s, k, CHEAP, 0.95, gen, why)
+        k = choose(s).k
+        s, _, _ = play(s, k, CHEAP, 0.95, gen)
         ks.append(k)
     assert np.mean(np.array(ks[-100:]) > 0) > 0.95
 
@@ -290,8 +292,8 @@ def test_a_draft_that_cannot_pay_even_at_full_acceptance_is_never_probed_again()
     # even with every draft accepted, k drafts cost more than k plain steps
     s = GovernorState(alpha=0.99, draft_step_s=0.05, verify_s=((1, 0.05), (3, 0.15)), plain_rounds=10_000,
                       drafted_rounds=gov.WARM_ROUNDS)
-    k, why = choose(s)
-    assert k == 0 and "cannot beat plain" in why
+    d = choose(s)
+    assert (d.kind, d.k) == (Kind.HOPELESS, 0) and d.gives_up
 
 
 def test_a_new_reply_keeps_costs_and_forgets_acceptance():
@@ -308,13 +310,13 @@ def test_a_new_reply_keeps_costs_and_forgets_acceptance():
 def test_a_cold_first_measurement_does_not_rule_the_draft_out():
     """On a GPU the first decode of a new batch shape pays for graph capture: the governor keeps
     measuring through the warm-up rounds, and a faster sample replaces a slower estimate."""
-    s = update(GovernorState(), k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=CHEAP.verify_s(1), decided="")
-    s = update(s, k=2, drafted=2, accepted=2, draft_s=50 * CHEAP.draft_s(2), verify_s=20 * CHEAP.verify_s(3), decided="")
-    assert choose(s)[1] == "measuring the draft"
+    s = update(GovernorState(), k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=CHEAP.verify_s(1))
+    s = update(s, k=2, drafted=2, accepted=2, draft_s=50 * CHEAP.draft_s(2), verify_s=20 * CHEAP.verify_s(3))
+    assert (choose(s).kind, choose(s).k) == (Kind.MEASURE, 2)  # measuring the draft
     for _ in range(gov.WARM_ROUNDS - 1):
-        s = update(s, k=2, drafted=2, accepted=2, draft_s=CHEAP.draft_s(2), verify_s=CHEAP.verify_s(3), decided="")
-    k, why = choose(s)
-    assert k > 0, why
+        s = update(s, k=2, drafted=2, accepted=2, draft_s=CHEAP.draft_s(2), verify_s=CHEAP.verify_s(3))
+    d = choose(s)
+    assert d.k > 0, d
 
 
 def test_a_draft_that_must_catch_up_drafts_only_when_the_reply_left_can_pay_for_it():
@@ -322,12 +324,12 @@ def test_a_draft_that_must_catch_up_drafts_only_when_the_reply_left_can_pay_for_
     (2.4 s): with 16 tokens left that never pays back; with 512 left it does."""
     s = GovernorState(alpha=0.9, draft_step_s=0.01, verify_s=((1, 0.08), (3, 0.09), (5, 0.1)),
                       catch_up_s=0.008, drafted_rounds=gov.WARM_ROUNDS)
-    k_free, _ = choose(s)
+    k_free = choose(s).k
     assert k_free > 0
-    k, why = choose(s, lag=300, horizon=16)
-    assert k == 0 and "catching up 300 tokens" in why
-    assert choose(s, lag=300, horizon=512)[0] > 0
-    assert choose(s, lag=0, horizon=16)[0] == k_free
+    d = choose(s, lag=300, horizon=16)
+    assert (d.kind, d.k) == (Kind.PLAIN, 0) and not d.gives_up  # the catch-up is paid now; later it may pay
+    assert choose(s, lag=300, horizon=512).k > 0
+    assert choose(s, lag=0, horizon=16).k == k_free
 
 
 def test_verify_time_follows_a_dip_between_measurements():
@@ -349,13 +351,13 @@ def test_a_load_time_plain_timing_is_checked_in_place_before_drafting():
     loaded = GovernorState(alpha=0.94, draft_step_s=0.0012, verify_s=tuple((n, 0.0029 + 0.0001 * n) for n in range(1, 10)),
                            drafted_rounds=gov.WARM_ROUNDS, plain_from_load=True)
     s = new_reply(loaded)  # a reply starts: the flag is carried with the costs
-    assert choose(s) == (0, "timing a plain step")
-    s = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=0.0018, decided="timing a plain step")
+    assert (choose(s).kind, choose(s).k) == (Kind.MEASURE, 0)  # timing a plain step
+    s = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=0.0018)
     assert not s.plain_from_load and verify_time(s, 1) == 0.0018
-    k, why = choose(s)
-    assert k == 0 and "draft off" in why
+    d = choose(s)
+    assert d.k == 0 and d.kind in (Kind.PLAIN, Kind.HOPELESS, Kind.COSTLY)
     # a drafted round does not count as the check
-    s = update(new_reply(loaded), k=3, drafted=3, accepted=3, draft_s=0.0036, verify_s=0.0033, decided="")
+    s = update(new_reply(loaded), k=3, drafted=3, accepted=3, draft_s=0.0036, verify_s=0.0033)
     assert s.plain_from_load
 
 
@@ -369,13 +371,13 @@ def test_costs_that_rule_a_re_check_out_give_up_before_any_plain_stretch():
     loaded = GovernorState(draft_step_s=0.0012, verify_s=tuple((n, 0.0018 + 0.0003 * n) for n in range(1, 10)),
                            drafted_rounds=gov.WARM_ROUNDS, plain_from_load=True, catch_up_s=0.00013)
     s = new_reply(loaded)
-    why = given_up(s)
-    assert why and "re-checking the draft would cost" in why
-    assert choose(s) == (0, why)
+    off = given_up(s)
+    assert off.kind is Kind.COSTLY and off.k == 0 and off.gives_up
+    assert choose(s) == off
     cheap = new_reply(replace(loaded, catch_up_s=0.00001))
-    assert given_up(cheap) is None and choose(cheap) == (0, "timing a plain step")
-    cheap = update(cheap, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=0.0021, decided="", steps=8)
-    assert choose(cheap)[0] == 1  # a re-check is due after the plain stretch, and cheap enough
+    assert given_up(cheap) is None and (choose(cheap).kind, choose(cheap).k) == (Kind.MEASURE, 0)
+    cheap = update(cheap, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=0.0021, steps=8)
+    assert (choose(cheap).kind, choose(cheap).k) == (Kind.PROBE, 1)  # a re-check is due after the plain stretch, and cheap enough
 
 
 def test_a_draft_that_wins_is_not_given_up():
@@ -383,3 +385,14 @@ def test_a_draft_that_wins_is_not_given_up():
 
     assert given_up(measured(CHEAP, alpha=0.9)) is None
     assert given_up(GovernorState()) is None  # nothing measured yet
+
+
+def test_the_learned_state_has_one_owner_across_replies():
+    """GovernorMemory keeps each drafter's state between replies; from_costs starts one judged."""
+    known = gov.from_costs(gov.Costs(((1, 0.02), (2, 0.03)), draft_step_s=0.01, catch_up_s=0.002), warm_rounds=1)
+    assert known.plain_from_load and known.drafted_rounds == 1 and dict(known.verify_s) == {1: 0.02, 2: 0.03}
+    memory = GovernorMemory({"model": known})
+    assert "model" in memory and "ngram" not in memory and memory.get("ngram") is None
+    learned = update(memory.get("model"), k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=0.018)
+    memory.put("model", learned)
+    assert memory.get("model") is learned and not learned.plain_from_load

@@ -11,6 +11,7 @@ import pytest
 
 from edgerun.decode import governor
 from edgerun.decode.generate import Step, generate
+from edgerun.decode.governor import Costs, Kind
 from edgerun.decode.speculative import Round, SpecConfig
 from edgerun.errors import VocabMismatch
 from edgerun.runner import Runner, chat_tokens
@@ -33,8 +34,8 @@ def _user(text):
     return [{"role": "user", "content": text}]
 
 
-def _run(ctx, tokens, sampling, n, spec=None):
-    records = list(generate(ctx, tokens, sampling, max_tokens=n, spec=spec))
+def _run(ctx, tokens, sampling, n, spec_config=None, memory=None):
+    records = list(generate(ctx, tokens, sampling, max_tokens=n, spec_config=spec_config, memory=memory))
     steps = [r for r in records if isinstance(r, Step)]
     rounds = [r for r in records if isinstance(r, Round)]
     return [s.token for s in steps], steps, rounds
@@ -79,7 +80,7 @@ def test_real_pair_at_temperature_zero_equals_plain(target_model, small_model):
             r.ctx.trim(0)
             plain, _, _ = _run(r.ctx, tokens, GREEDY, 40)
             r.ctx.trim(0)
-            spec, _, rounds = _run(r.ctx, tokens, GREEDY, 40, r.spec)
+            spec, _, rounds = _run(r.ctx, tokens, GREEDY, 40, r.spec_config)
             assert sum(x.drafted for x in rounds) > 0
             if spec != plain:
                 # batched and single-token evaluation may differ in the last bits: only allowed
@@ -114,7 +115,7 @@ def test_kv_cache_after_many_rejections_matches_a_fresh_evaluation(target_model,
     """Both caches, with the draft fed in one batch or token by token (stable_shapes, as on a GPU)."""
     hot = SamplerSettings(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3)
     with Runner(target_model, SETTINGS, draft=str(small_model), spec_k=5) as r:
-        spec = replace(r.spec, stable_shapes=stable_shapes)
+        spec = replace(r.spec_config, stable_shapes=stable_shapes)
         tokens = r.chat_tokens(_user("Tell me a story about a dragon and a librarian."))
         out, _, rounds = _run(r.ctx, tokens, hot, 60, spec)
         assert sum(x.drafted - x.accepted for x in rounds) >= 5  # rejected drafts were trimmed
@@ -203,50 +204,78 @@ def test_the_draft_context_gets_the_threads_its_placement_calls_for(small_model)
         assert llama_cpp.llama_n_threads(r.ctx.ptr) == 2
 
 
+# Costs injected as the governor's starting point, so no assertion depends on how fast this machine
+# is: a load-time timing (Runner(costs=...) replaces it) never decides a test. Seconds per batch.
+CHEAP_VERIFY = tuple((n, 1e-4) for n in range(1, governor.K_MAX + 2))  # batching is free
+# the model as its own draft: a draft step costs a plain step, a verify of n costs more than one
+HOPELESS = Costs(tuple((n, 0.03 * (1 + 0.5 * (n - 1))) for n in range(1, governor.K_MAX + 2)),
+                 draft_step_s=0.03, catch_up_s=0.01)
+# a plain step "timed" at 1000 s at load: drafting looks good until one real plain step is timed,
+# and then no acceptance can win (verifies of 100 s, draft steps of 10 s), however fast the machine
+SLOW_PLAIN_AT_LOAD = Costs(((1, 1000.0),) + tuple((n, 100.0) for n in range(2, governor.K_MAX + 2)),
+                           draft_step_s=10.0, catch_up_s=1.0)
+
+
+def _favour_the_draft(state):
+    """The state made to favour drafting whatever was measured: near-free drafts and verifies."""
+    plain = dict(state.verify_s)[1]
+    return replace(state, alpha=0.99, draft_step_s=plain * 1e-6,
+                   verify_s=tuple((n, t if n == 1 else plain * 1.01) for n, t in state.verify_s))
+
+
 def test_an_ngram_runner_knows_its_costs_before_the_first_reply(small_model):
-    """With --ngram the runner times every verify batch at load: the first match is drafted at
-    the length the costs favour, not spent on measuring rounds."""
+    """With --ngram the runner times every verify batch at load, and a reply starts from what the
+    governor knows: the first match is drafted at the length the costs favour, not spent on
+    measuring rounds (the costs are injected, so the machine's speed decides nothing)."""
     code = (Path(__file__).parent / "data" / "code_edit.txt").read_text()
     with Runner(small_model, SETTINGS, draft="none", ngram=True) as r:
-        state = r.spec.governors["ngram"]
-        assert "model" not in r.spec.governors
+        state = r.governors.get("ngram")
+        assert "model" not in r.governors
         assert state.draft_step_s == 0.0 and dict(state.verify_s).keys() == set(range(1, governor.K_MAX + 2))
-        _, _, rounds = _run(r.ctx, r.chat_tokens(_user(code)), GREEDY, 64, r.spec)
+        r.governors.put("ngram", governor.from_costs(Costs(CHEAP_VERIFY, draft_step_s=0.0), warm_rounds=1))
+        _, _, rounds = _run(r.ctx, r.chat_tokens(_user(code)), GREEDY, 64, r.spec_config, r.governors)
         drafted = [x for x in rounds if x.drafter == "ngram" and x.drafted]
-        assert drafted and not any("measuring" in x.decided for x in rounds), [x.decided for x in rounds]
+        measuring = [x.decision for x in rounds if x.decision.kind is Kind.MEASURE]
+        assert drafted and len(measuring) <= 1 and all(d.k == 0 for d in measuring), [x.decision for x in rounds]
+
+
+def test_the_runner_times_a_model_drafts_costs_at_load(small_model):
+    with Runner(small_model, SETTINGS, draft=str(small_model)) as r:
+        state = r.governors.get("model")
+        assert state.draft_step_s > 0 and state.catch_up_s > 0
+        assert dict(state.verify_s).keys() == set(range(1, governor.K_MAX + 2)) and state.plain_from_load
 
 
 def test_a_draft_that_cannot_win_is_judged_at_load_and_never_run(small_model):
     """The model as its own draft: a draft step costs a target step, so no k can beat plain
-    decoding. The runner times both at load; the first reply must not spend a single draft
-    decode (not even the draft's prompt prefill), and the stats say why."""
-    with Runner(small_model, SETTINGS, draft=str(small_model)) as r:
-        state = r.spec.governors["model"]
-        assert state.draft_step_s > 0 and dict(state.verify_s).keys() == set(range(1, governor.K_MAX + 2))
-        tokens, _, rounds = _run(r.ctx, r.chat_tokens(_user(PROMPTS[0])), GREEDY, 32, r.spec)
+    decoding. With those costs known at load, the first reply must not spend a single draft
+    decode (not even the draft's prompt prefill), and its rounds say why."""
+    with Runner(small_model, SETTINGS, draft=str(small_model), costs={"model": HOPELESS}) as r:
+        assert governor.given_up(r.governors.get("model")).kind is Kind.HOPELESS
+        tokens, _, rounds = _run(r.ctx, r.chat_tokens(_user(PROMPTS[0])), GREEDY, 32, r.spec_config, r.governors)
         assert len(tokens) == 32
-        assert r.draft_ctx.n_past == 0 and sum(x.drafted for x in rounds) == 0, (state, [x.decided for x in rounds])
-        assert "even 100% acceptance cannot beat plain" in rounds[-1].decided
+        assert r.draft_ctx.n_past == 0 and sum(x.drafted for x in rounds) == 0, [x.decision for x in rounds]
+        assert {x.decision.kind for x in rounds} == {Kind.HOPELESS}
         # once the governor gave up on the draft, plain steps may pick in llama.cpp's graph (what
         # a GPU does; forced here), with the same tokens as the host's argmax
         plain, _, _ = _run(r.ctx, r.chat_tokens(_user(PROMPTS[1])), GREEDY, 40, SpecConfig())
         assert not r.ctx.picks_on_device
-        forced = replace(r.spec, device_greedy=True)
-        switches, records = _sampler_switches(r.ctx, r.chat_tokens(_user(PROMPTS[1])), 40, forced)
+        forced = replace(r.spec_config, device_greedy=True)
+        switches, records = _sampler_switches(r, r.chat_tokens(_user(PROMPTS[1])), 40, forced)
         picked = [x.token for x in records if isinstance(x, Step)]
         assert picked == plain and r.ctx.picks_on_device
         # the costs ruled the draft out before the reply began: the sampler settled before the
         # prompt, once, and never mid-reply (a switch rebuilds llama.cpp's scheduler)
         assert [on for on, seen in switches if seen] == [] and [on for on, _ in switches] == [True], switches
-        _run(r.ctx, r.chat_tokens(_user(PROMPTS[1])), GREEDY.replace(temperature=0.5), 4, forced)
+        _run(r.ctx, r.chat_tokens(_user(PROMPTS[1])), GREEDY.replace(temperature=0.5), 4, forced, r.governors)
         assert not r.ctx.picks_on_device  # sampling needs the logits
 
 
-def _sampler_switches(ctx, tokens, n, spec, each=None):
-    """Run a greedy reply and record each call of the context's real greedy_on_device: (on,
-    whether a record of the reply had been yielded by then). `each` sees the records so far
-    after each one."""
-    calls, records = [], []
+def _sampler_switches(r, tokens, n, spec_config, each=None):
+    """Run a greedy reply on the runner's context and record each call of its real
+    greedy_on_device: (on, whether a record of the reply had been yielded by then). `each` sees
+    the records so far after each one."""
+    ctx, calls, records = r.ctx, [], []
     real = ctx.greedy_on_device
 
     def spy(on):
@@ -255,7 +284,7 @@ def _sampler_switches(ctx, tokens, n, spec, each=None):
 
     ctx.greedy_on_device = spy
     try:
-        for record in generate(ctx, tokens, GREEDY, max_tokens=n, spec=spec):
+        for record in generate(ctx, tokens, GREEDY, max_tokens=n, spec_config=spec_config, memory=r.governors):
             records.append(record)
             if each:
                 each(records)
@@ -265,58 +294,50 @@ def _sampler_switches(ctx, tokens, n, spec, each=None):
 
 
 def test_a_draft_given_up_mid_reply_leaves_the_sampler_alone(small_model):
-    """Load-time costs that make the draft look fast (a plain step 'timed' at 1 s) keep it in
+    """Load-time costs that make the draft look good (a plain step 'timed' at 1000 s) keep it in
     play until a real plain step is timed; then the costs rule it out mid-reply. From there the
-    reply decodes plain to its end, even when later costs would favour the draft (its step made
-    100x cheaper right after the give-up), and its sampler stays as it was before the prompt:
-    switching it rebuilds llama.cpp's scheduler and, on a GPU, recaptures every graph."""
-    with Runner(small_model, SETTINGS, draft=str(small_model)) as r:
-        measured = r.spec.governors["model"]
-        slow_plain = tuple((n, 1.0 + t) if n == 1 else (n, t) for n, t in measured.verify_s)
-        r.spec.governors["model"] = replace(measured, verify_s=slow_plain, plain_from_load=True)
-        assert governor.given_up(r.spec.governors["model"]) is None
+    reply decodes plain to its end, even when later costs would favour the draft (made near free
+    right after the give-up), and its sampler stays as it was before the prompt: switching it
+    rebuilds llama.cpp's scheduler and, on a GPU, recaptures every graph."""
+    with Runner(small_model, SETTINGS, draft=str(small_model), costs={"model": SLOW_PLAIN_AT_LOAD}) as r:
+        assert governor.given_up(r.governors.get("model")) is None
         plain, _, _ = _run(r.ctx, r.chat_tokens(_user(PROMPTS[0])), GREEDY, 64, SpecConfig())
-        forced = replace(r.spec, device_greedy=True)
+        forced = replace(r.spec_config, device_greedy=True)
         favoured = []
 
         def favour_the_draft_once_given_up(records):
-            gave_up = ("cannot beat plain", "re-checking the draft would cost")  # governor.given_up's reasons
-            if not favoured and isinstance(records[-1], Round) and any(x in records[-1].decided for x in gave_up):
-                state = r.spec.governors["model"]
-                r.spec.governors["model"] = replace(state, alpha=0.99, draft_step_s=state.draft_step_s / 100)
-                assert governor.given_up(r.spec.governors["model"]) is None  # the draft now looks good
+            if not favoured and isinstance(records[-1], Round) and records[-1].decision.gives_up:
+                r.governors.put("model", _favour_the_draft(r.governors.get("model")))
+                assert governor.given_up(r.governors.get("model")) is None  # the draft now looks good
                 favoured.append(len(records))
 
-        switches, records = _sampler_switches(r.ctx, r.chat_tokens(_user(PROMPTS[0])), 64, forced,
+        switches, records = _sampler_switches(r, r.chat_tokens(_user(PROMPTS[0])), 64, forced,
                                               each=favour_the_draft_once_given_up)
         rounds = [x for x in records if isinstance(x, Round)]
         assert favoured and any(isinstance(x, Round) for x in records[favoured[0]:]), "rounds after the give-up"
         assert [x.token for x in records if isinstance(x, Step)] == plain
-        assert rounds[0].decided == "timing a plain step" and "draft off" in rounds[-1].decided, rounds
-        assert sum(x.drafted for x in rounds) == 0 and r.draft_ctx.n_past == 0, [x.decided for x in rounds]
+        first, last = rounds[0].decision, rounds[-1].decision
+        assert (first.kind, first.k) == (Kind.MEASURE, 0) and last.kind is Kind.HOPELESS, rounds
+        assert sum(x.drafted for x in rounds) == 0 and r.draft_ctx.n_past == 0, [x.decision for x in rounds]
         assert [on for on, seen in switches if seen] == [] and not r.ctx.picks_on_device, switches
 
 
 def test_a_draft_given_up_stays_off_when_later_timings_favour_it(small_model):
-    """Given up before the prompt (the model as its own draft cannot win), the reply's sampler
-    picks in the graph (forced here), so no logits exist for a verify. If plain timings later in
-    the reply made the draft look good (here: its step made 100x cheaper mid-reply), drafting
-    must still stay off to the reply's end."""
-    with Runner(small_model, SETTINGS, draft=str(small_model)) as r:
-        # the load-time costs rule this draft out; a noisy timing at load must not decide the test
-        state = r.spec.governors["model"]
-        r.spec.governors["model"] = replace(state, draft_step_s=max(state.draft_step_s, dict(state.verify_s)[1]))
-        assert governor.given_up(r.spec.governors["model"]) is not None
+    """Given up before the prompt (costs no acceptance can beat), the reply's sampler picks in
+    the graph (forced here), so no logits exist for a verify. If timings later in the reply made
+    the draft look good (here: made near free mid-reply), drafting must still stay off to the
+    reply's end."""
+    with Runner(small_model, SETTINGS, draft=str(small_model), costs={"model": HOPELESS}) as r:
         plain, _, _ = _run(r.ctx, r.chat_tokens(_user(PROMPTS[1])), GREEDY, 32, SpecConfig())
-        forced = replace(r.spec, device_greedy=True)
+        forced = replace(r.spec_config, device_greedy=True)
         records = []
-        for record in generate(r.ctx, r.chat_tokens(_user(PROMPTS[1])), GREEDY, max_tokens=32, spec=forced):
+        for record in generate(r.ctx, r.chat_tokens(_user(PROMPTS[1])), GREEDY, max_tokens=32,
+                               spec_config=forced, memory=r.governors):
             records.append(record)
             if isinstance(record, Round) and sum(isinstance(x, Round) for x in records) == 1:
-                state = r.spec.governors["model"]
-                r.spec.governors["model"] = replace(state, alpha=0.99, draft_step_s=state.draft_step_s / 100)
-                assert governor.given_up(r.spec.governors["model"]) is None  # the draft now looks good
+                r.governors.put("model", _favour_the_draft(r.governors.get("model")))
+                assert governor.given_up(r.governors.get("model")) is None  # the draft now looks good
         rounds = [x for x in records if isinstance(x, Round)]
         assert [x.token for x in records if isinstance(x, Step)] == plain
-        assert sum(x.drafted for x in rounds) == 0 and r.draft_ctx.n_past == 0, [x.decided for x in rounds]
-        assert all("cannot beat plain" in x.decided for x in rounds)
+        assert sum(x.drafted for x in rounds) == 0 and r.draft_ctx.n_past == 0, [x.decision for x in rounds]
+        assert all(x.decision.kind is Kind.HOPELESS for x in rounds)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from edgerun import _native
 from edgerun.decode import governor
+from edgerun.decode.governor import GovernorMemory
 from edgerun.decode.speculative import Round, SpecConfig, Speculator
 from edgerun.errors import ConfigError, EngineError
 from edgerun.runtime.engine import Context
@@ -69,10 +70,10 @@ def first_pick(ctx: Context, history: list[int], params: _native.SamplerParams, 
         return _native.sample_context(ctx.address, -1, history, params, rng)
 
 
-def native_round(args: dict, **sampling) -> dict:
+def native_round(plan: _native.RoundPlan, rng: _native.Rng) -> _native.RoundResult:
     """One native speculation round (see native/round.hpp)."""
     with native_errors("decoding a round of tokens"):
-        return _native.round(**args, **sampling)
+        return _native.round(plan, rng)
 
 
 class _Emitter:
@@ -109,9 +110,11 @@ def generate(
     *,
     max_tokens: int,
     cancel: threading.Event | None = None,
-    spec: SpecConfig | None = None,
+    spec_config: SpecConfig | None = None,
+    memory: GovernorMemory | None = None,
 ) -> Iterator[Prefill | Step | Round]:
-    """Evaluate the prompt, then decode up to max_tokens tokens, yielding each as it is ready."""
+    """Evaluate the prompt, then decode up to max_tokens tokens, yielding each as it is ready.
+    `memory`: what the governors learned in earlier replies (the runner's), updated in place."""
     if not prompt:  # e.g. `--raw ""` with a model that adds no BOS: no logits to pick from
         raise ConfigError("the prompt has no tokens, so there is nothing to continue; give some text")
     # the reply ends ("length") where the context would overflow: a verify batch writes the
@@ -122,38 +125,30 @@ def generate(
                           " for a reply; start a new conversation or raise --ctx")
     max_tokens = min(max_tokens, room)
     start = time.perf_counter()
-    penalized = sampling.repeat_penalty != 1.0 and sampling.repeat_last_n != 0
-    speculator = Speculator(spec or SpecConfig(), ctx, prompt, greedy=sampling.temperature <= 0 and not penalized)
+    params = native_params(sampling)
+    rng = native_rng(sampling.seed)
+    speculator = Speculator(spec_config or SpecConfig(), ctx, prompt, sampling, params, memory=memory)
     speculator.settle_sampler()  # before the prompt: its last output is the first pick
     evaluated = ctx.prefill(prompt)
     yield Prefill(len(prompt), evaluated, time.perf_counter() - start)
-    params = native_params(sampling)
-    rng = native_rng(sampling.seed)
-    history = list(prompt[-max(sampling.repeat_last_n, 0):]) if sampling.repeat_penalty != 1.0 else []
     emit = _Emitter(ctx, max_tokens, cancel, start)
-    last = first_pick(ctx, history, params, rng)
+    last = first_pick(ctx, sampling.penalty_window(ctx.tokens), params, rng)
     yield emit.step(last, False)
     try:
         while not emit.done:
-            if history:
-                history = (history + [last])[-sampling.repeat_last_n:]
-            args = speculator.round_args(last, remaining=max_tokens - emit.count)
-            result = native_round(args, history=history, params=params, rule=speculator.cfg.rule, rng=rng)
+            result = native_round(speculator.plan(last, remaining=max_tokens - emit.count), rng)
             # the bookkeeping first: the round may have left its newest token's decode in flight
-            record = speculator.after(last, result)
-            accepted = result["drafts"][: result["accepted"]]
-            for token in accepted:
+            record = speculator.after(result)
+            for token in result.drafts[: result.accepted]:
                 yield emit.step(token, True)
                 if emit.done:
                     break
-            own = [result["next"], *result["more"]]  # the target's picks; more: a plain run's later tokens
+            own = [result.next, *result.more]  # the target's picks; more: a plain run's later tokens
             for token in own:
                 if emit.done:
                     break
                 yield emit.step(token, False)
             yield record
-            if history:
-                history = (history + accepted + own[:-1])[-sampling.repeat_last_n:]
             last = own[-1]
     finally:
         speculator.finish()

@@ -1,9 +1,11 @@
 """The draft-length controller: each round, choose k (0 = plain decoding) to maximize expected
-tokens per second, from measured acceptance and measured costs. Pure functions plus a small,
-explicit state record; no model needed to test it."""
+tokens per second, from measured acceptance and measured costs. Pure functions on a small state
+record, answering with a typed Decision; GovernorMemory keeps what was learned across replies.
+No model needed to test it."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, replace
 
 K_MAX = 8
@@ -16,6 +18,43 @@ PROBE_COST_MAX = 0.02  # a re-check may cost at most this share of plain decodin
 WARM_ROUNDS = 3      # drafted rounds measured before costs may rule a GPU draft out (first shapes run cold)
 
 
+class Kind(enum.Enum):
+    """What a decision is, for code and tests (its reason string is for people only)."""
+
+    NONE = "none"          # nothing to draft with: no drafter, or no proposal fits
+    FIXED = "fixed"        # the user fixed k
+    MEASURE = "measure"    # k chosen to measure a cost (plain decoding, the draft, a longer k)
+    DRAFT = "draft"        # the k with the best expected rate
+    PROBE = "probe"        # one draft to re-check a losing draft's acceptance
+    PLAIN = "plain"        # plain wins for now; a re-check comes later
+    HOPELESS = "hopeless"  # given up: even 100% acceptance cannot beat plain
+    COSTLY = "costly"      # given up: a re-check's catch-up would cost over PROBE_COST_MAX
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The governor's answer for one round: k drafts (0 = plain) and why."""
+
+    kind: Kind
+    k: int
+    reason: str = ""  # for display only
+
+    @property
+    def gives_up(self) -> bool:
+        """The draft is out for the rest of the reply."""
+        return self.kind in (Kind.HOPELESS, Kind.COSTLY)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured costs to start a governor from, instead of learning them in the first rounds:
+    what the runner times at load, or what a test or benchmark injects."""
+
+    verify_s: tuple[tuple[int, float], ...]  # (batch size, seconds): the target decoding n tokens at once
+    draft_step_s: float | None = None  # one draft token (0.0 for the n-gram lookup)
+    catch_up_s: float | None = None    # draft prefill per token
+
+
 @dataclass(frozen=True)
 class GovernorState:
     alpha: float = PRIOR_ALPHA      # per-token acceptance probability (geometric model)
@@ -26,7 +65,6 @@ class GovernorState:
     plain_rounds: int = 0           # consecutive k = 0 rounds
     probe_every: int = PROBE_FIRST
     k_max: int = K_MAX
-    decided: str = "starting: measuring plain decoding"
     drafted_rounds: int = 0         # rounds with drafts so far (the first ones run cold)
     warm_rounds: int = WARM_ROUNDS  # ... measured before costs may rule the draft out (1 on a CPU)
     catch_up_s: float | None = None  # draft prefill per token: what re-checking costs after a plain stretch
@@ -71,67 +109,70 @@ def rate(state: GovernorState, k: int) -> float | None:
 
 
 def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
-           horizon: int | None = None) -> tuple[int, str]:
+           horizon: int | None = None) -> Decision:
     """k for the next round and why. `available` caps k (an n-gram drafter's proposal length);
     `lag`: tokens the draft must prefill before it can draft (its prompt, a plain stretch);
     `horizon`: tokens the reply may still produce, over which drafting must win that back."""
     k_cap = state.k_max if available is None else min(state.k_max, available)
     if k_cap == 0:
-        return 0, "no draft available: plain step"
+        return Decision(Kind.NONE, 0, "no draft available: plain step")
     plain = rate(state, 0)
     if plain is None:
-        return 0, "measuring plain decoding"
+        return Decision(Kind.MEASURE, 0, "measuring plain decoding")
     measured = _draft_measured(state)
     best_k, best = _best(state, k_cap, plain) if measured else (0, plain)
-    why = _off_for_good(state, k_cap, plain, best_k) if measured else None
-    if why:
-        return 0, why
+    off = _off_for_good(state, k_cap, plain, best_k) if measured else None
+    if off:
+        return off
     if state.plain_from_load:
         # a timing taken at load, between other shapes, can be far off (on a GPU: 2.9 ms measured
         # vs 1.8 ms in a reply). Drafting never times a plain step, so one wrong number there
         # would keep a losing draft on for the whole session: time one real step first.
-        return 0, "timing a plain step"
+        return Decision(Kind.MEASURE, 0, "timing a plain step")
     if not measured:
-        return min(2, k_cap), "measuring the draft"
+        return Decision(Kind.MEASURE, min(2, k_cap), "measuring the draft")
     if best_k == 0 and state.plain_rounds >= state.probe_every:
-        return 1, f"re-checking the draft (plain wins: {plain:.1f} tok/s)"
+        return Decision(Kind.PROBE, 1, f"re-checking the draft (plain wins: {plain:.1f} tok/s)")
     if best_k == 0:
-        return 0, f"draft off: plain {plain:.1f} tok/s beats any k (acceptance {state.alpha:.0%})"
+        return Decision(Kind.PLAIN, 0, f"draft off: plain {plain:.1f} tok/s beats any k (acceptance {state.alpha:.0%})")
     if lag and state.catch_up_s and horizon is not None:
         # the catch-up is paid now; drafting wins (1/plain - 1/best) seconds per token from then on
         cost, win = lag * state.catch_up_s, horizon * (1 / plain - 1 / best)
         if cost >= win:
-            return 0, (f"draft off: catching up {lag} tokens costs {cost:.2f} s, more than k={best_k}"
-                       f" would win in the {horizon} tokens left ({win:.2f} s)")
+            return Decision(Kind.PLAIN, 0, f"draft off: catching up {lag} tokens costs {cost:.2f} s, more than"
+                                           f" k={best_k} would win in the {horizon} tokens left ({win:.2f} s)")
     if best_k < k_cap and best_k + 2 not in dict(state.verify_s):
         # the cost of a longer draft is only extrapolated so far: measure it once
-        return best_k + 1, f"trying k={best_k + 1} (k={best_k} expected {best:.1f} vs plain {plain:.1f} tok/s)"
-    return best_k, f"k={best_k}: {best:.1f} vs plain {plain:.1f} tok/s expected (acceptance {state.alpha:.0%})"
+        return Decision(Kind.MEASURE, best_k + 1,
+                        f"trying k={best_k + 1} (k={best_k} expected {best:.1f} vs plain {plain:.1f} tok/s)")
+    return Decision(Kind.DRAFT, best_k,
+                    f"k={best_k}: {best:.1f} vs plain {plain:.1f} tok/s expected (acceptance {state.alpha:.0%})")
 
 
-def given_up(state: GovernorState, k_cap: int = K_MAX) -> str | None:
-    """Why the measured costs rule drafting out without a re-check, or None. Plain decoding wins
-    at the acceptance believed now, and a re-check cannot change that: even 100% acceptance
-    loses (hopeless), or the draft's catch-up after a plain stretch would cost more than
-    PROBE_COST_MAX of decoding time. Only a drafted round moves the acceptance, so a reply that
-    gives up can decode plain to its end. A plain step timed at load is, if anything, too slow
-    (noise only adds time), and that makes drafting look better: giving up on it is safe."""
+def given_up(state: GovernorState, k_cap: int = K_MAX) -> Decision | None:
+    """The decision to give up on the draft (kind HOPELESS or COSTLY) when the measured costs rule
+    drafting out without a re-check, or None. Plain decoding wins at the acceptance believed now,
+    and a re-check cannot change that: even 100% acceptance loses (hopeless), or the draft's
+    catch-up after a plain stretch would cost more than PROBE_COST_MAX of decoding time. Only a
+    drafted round moves the acceptance, so a reply that gives up can decode plain to its end. A
+    plain step timed at load is, if anything, too slow (noise only adds time), and that makes
+    drafting look better: giving up on it is safe."""
     plain = rate(state, 0)
     if plain is None or not _draft_measured(state):
         return None
     return _off_for_good(state, k_cap, plain, _best(state, k_cap, plain)[0])
 
 
-def _off_for_good(state: GovernorState, k_cap: int, plain: float, best_k: int) -> str | None:
+def _off_for_good(state: GovernorState, k_cap: int, plain: float, best_k: int) -> Decision | None:
     """given_up, with the plain rate and the best k already computed."""
     if best_k > 0:
         return None
     if hopeless(state, k_cap, plain):
-        return f"draft off: even 100% acceptance cannot beat plain {plain:.1f} tok/s here"
+        return Decision(Kind.HOPELESS, 0, f"draft off: even 100% acceptance cannot beat plain {plain:.1f} tok/s here")
     share = catch_up_share(state, plain)
     if share > PROBE_COST_MAX:
-        return (f"draft off: plain {plain:.1f} tok/s wins, and re-checking the draft would cost"
-                f" {share:.0%} of decoding time in catch-up")
+        return Decision(Kind.COSTLY, 0, f"draft off: plain {plain:.1f} tok/s wins, and re-checking the draft would"
+                                        f" cost {share:.0%} of decoding time in catch-up")
     return None
 
 
@@ -196,7 +237,7 @@ def _cost_ema(old: float | None, new: float) -> float:
 
 
 def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
-           decided: str, steps: int = 1) -> GovernorState:
+           steps: int = 1) -> GovernorState:
     """Fold one round's measurements into the state. `steps`: plain tokens the round decoded
     (verify_s is then the time of one of them)."""
     table = dict(state.verify_s)
@@ -225,5 +266,34 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
     return replace(state, alpha=alpha, accepted_ema=accepted_ema, trials_ema=trials_ema, draft_step_s=draft_step,
                    drafted_rounds=drafted_rounds, plain_from_load=state.plain_from_load and drafted > 0,
                    verify_s=tuple(sorted(table.items())),
-                   plain_rounds=plain_rounds, probe_every=probe_every, decided=decided)
+                   plain_rounds=plain_rounds, probe_every=probe_every)
 
+
+
+def from_costs(costs: Costs, *, warm_rounds: int) -> GovernorState:
+    """A state that starts judged: the costs known, the cold first rounds counted as done, and
+    the plain step to be timed once in place (a load-time timing can be far off)."""
+    return GovernorState(verify_s=tuple(sorted(costs.verify_s)), draft_step_s=costs.draft_step_s,
+                         catch_up_s=costs.catch_up_s, drafted_rounds=warm_rounds, warm_rounds=warm_rounds,
+                         plain_from_load=True)
+
+
+class GovernorMemory:
+    """What the governors learned, per drafter ("model", "ngram"), kept across the replies of a
+    session: the one owner of that state. The runner holds one and passes it to every reply;
+    a reply's Speculator starts from it (governor.new_reply) and stores what each round taught."""
+
+    def __init__(self, states: dict[str, GovernorState] | None = None):
+        self._states: dict[str, GovernorState] = dict(states or {})
+
+    def get(self, drafter: str) -> GovernorState | None:
+        return self._states.get(drafter)
+
+    def put(self, drafter: str, state: GovernorState) -> None:
+        self._states[drafter] = state
+
+    def __contains__(self, drafter: str) -> bool:
+        return drafter in self._states
+
+    def __repr__(self) -> str:
+        return f"GovernorMemory({sorted(self._states)})"

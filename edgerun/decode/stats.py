@@ -30,7 +30,7 @@ class ReplyStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     spec_k: int = 0
-    governor: str = ""
+    governor: str = ""  # the last round's decision, for display ("" without a drafter)
     accepted_hist: Counter = field(default_factory=Counter)  # accepted length -> rounds (drafting rounds)
 
     def add(self, record: Prefill | Step | Round) -> None:
@@ -45,7 +45,7 @@ class ReplyStats:
             self.draft_s += record.draft_s
             self.verify_s += record.verify_s
             self.spec_k = record.k
-            self.governor = record.decided
+            self.governor = "" if record.drafter == "none" else record.decision.reason
             if record.drafted:
                 self.accepted_hist[record.accepted] += 1
         elif record.finish == "stop":  # the end-of-generation token is not shown or counted
@@ -113,6 +113,6 @@ class ReplyStats:
         if self.drafted:
             text += (f"; draft {self.accepted}/{self.drafted} accepted ({self.acceptance_rate:.0%}),"
                      f" mean run {self.mean_accepted_len:.2f}, k={self.spec_k}")
-        if self.governor and self.governor != "no drafter":
+        if self.governor:
             text += f"; governor: {self.governor}"
         return text

@@ -6,6 +6,7 @@ deterministic close. Nothing here relies on __del__."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import llama_cpp
@@ -103,7 +104,7 @@ class Batch:
         self.raw = llama_cpp.llama_batch_init(capacity, 0, 1)
         self._closed = False
 
-    def fill(self, tokens: list[int], start_pos: int, *, all_logits: bool = False) -> None:
+    def fill(self, tokens: list[int], start_pos: int, *, seq: int = 0, all_logits: bool = False) -> None:
         b = self.raw
         n = len(tokens)
         if n > self.capacity:
@@ -113,7 +114,7 @@ class Batch:
             b.token[i] = tok
             b.pos[i] = start_pos + i
             b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
+            b.seq_id[i][0] = seq
             b.logits[i] = all_logits
         b.logits[n - 1] = True
 
@@ -129,9 +130,19 @@ class Batch:
         self.close()
 
 
+@dataclass
+class KvSequence:
+    """What the KV cache holds for one sequence id, position by position."""
+
+    tokens: list[int] = field(default_factory=list)
+    in_flight: bool = False  # one decode past `tokens` launched by the native round, its pick not read
+
+
 class Context:
-    """Owns a llama_context* and its batch; remembers which tokens its KV cache holds, so a
-    new prompt that extends the last one (a chat turn) evaluates only the new part."""
+    """Owns a llama_context* and its batch, and is the one writer of what its KV cache holds per
+    sequence (its own evals and trims, and the native round's writes through commit), so a new
+    prompt that extends the last one (a chat turn) evaluates only the new part. One sequence
+    (id 0) today; the ids are part of the state so that several can share a context."""
 
     def __init__(self, model: Model, settings: EngineSettings, *, eval_callback: tuple[int, int] | None = None):
         """eval_callback: (function address, user data address) of a ggml_backend_sched_eval_callback
@@ -154,7 +165,7 @@ class Context:
         self.n_batch = llama_cpp.llama_n_batch(self.ptr)  # llama.cpp caps it at n_ctx
         self.batch = Batch(self.n_batch)
         self.mem = llama_cpp.llama_get_memory(self.ptr)
-        self.tokens: list[int] = []  # what the KV cache holds, position by position
+        self._seqs = {0: KvSequence()}
         self._device_greedy = None  # the sampler chain llama.cpp runs in the graph, while attached
 
     def close(self) -> None:
@@ -177,38 +188,76 @@ class Context:
         """The raw llama_context* for the native extension (which never frees it)."""
         return ctypes.cast(self.ptr, ctypes.c_void_p).value
 
+    def _seq(self, seq: int) -> KvSequence:
+        try:
+            return self._seqs[seq]
+        except KeyError:
+            raise EngineError(f"sequence {seq} is not open in this context") from None
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the KV cache holds for sequence 0 (read it; only the context changes it)."""
+        return self._seqs[0].tokens
+
     @property
     def n_past(self) -> int:
-        return len(self.tokens)
+        return len(self._seqs[0].tokens)
 
-    def trim(self, n_keep: int) -> None:
+    def in_flight(self, seq: int = 0) -> bool:
+        return self._seq(seq).in_flight
+
+    def trim(self, n_keep: int, seq: int = 0) -> None:
         """Drop KV cache entries from position n_keep on."""
-        if n_keep < len(self.tokens):
-            if not llama_cpp.llama_memory_seq_rm(self.mem, 0, n_keep, -1):
+        self.land(seq)
+        tokens = self._seq(seq).tokens
+        if n_keep < len(tokens):
+            if not llama_cpp.llama_memory_seq_rm(self.mem, seq, n_keep, -1):
                 raise EngineError("llama.cpp could not trim the KV cache")
-            del self.tokens[n_keep:]
+            del tokens[n_keep:]
 
-    def eval(self, tokens: list[int], *, all_logits: bool = False) -> None:
+    def eval(self, tokens: list[int], *, all_logits: bool = False, seq: int = 0) -> None:
         """Append tokens to the KV cache, n_batch at a time; logits for the last token (for
         every token with all_logits)."""
-        if len(self.tokens) + len(tokens) > self.n_ctx:
+        self.land(seq)
+        held = self._seq(seq).tokens
+        if len(held) + len(tokens) > self.n_ctx:
             raise ConfigError(
-                f"context is full ({len(self.tokens)} + {len(tokens)} tokens > {self.n_ctx});"
+                f"context is full ({len(held)} + {len(tokens)} tokens > {self.n_ctx});"
                 " start a new conversation or raise --ctx"
             )
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start : start + self.n_batch]
-            self.batch.fill(chunk, len(self.tokens), all_logits=all_logits)
+            self.batch.fill(chunk, len(held), seq=seq, all_logits=all_logits)
             rc = llama_cpp.llama_decode(self.ptr, self.batch.raw)
             if rc != 0:
                 raise EngineError(f"llama_decode failed with code {rc}")
-            self.tokens.extend(chunk)
+            held.extend(chunk)
 
-    def forget_unrecorded(self) -> None:
-        """Drop KV entries past the recorded tokens (a decode the native round left in flight),
-        once llama.cpp is done with them."""
+    def commit(self, seq: int, write) -> None:
+        """Record what a native round left in this KV (a _native.KvWrite): the tokens it kept
+        from `pos` on, trimming the positions it decoded but does not keep (rejected drafts),
+        and whether it left one more decode in flight."""
+        s = self._seq(seq)
+        if write.pos != len(s.tokens):
+            raise EngineError(f"a round wrote sequence {seq} from position {write.pos}, but it holds"
+                              f" {len(s.tokens)} tokens; start a new conversation")
+        s.tokens.extend(write.kept)  # in place: no copy of the whole context per round
+        s.in_flight = write.in_flight
+        if write.dropped and not llama_cpp.llama_memory_seq_rm(self.mem, seq, len(s.tokens), -1):
+            raise EngineError("llama.cpp could not trim the KV cache")
+
+    def land(self, seq: int = 0) -> None:
+        """Drop a decode the native round left in flight, once llama.cpp is done with it."""
+        if self._seq(seq).in_flight:
+            self.drop_unrecorded(seq)
+
+    def drop_unrecorded(self, seq: int = 0) -> None:
+        """Make the KV hold only the recorded tokens: drop a decode left in flight, or what a
+        failed round decoded past them, once llama.cpp is done with it."""
+        s = self._seq(seq)
         llama_cpp.llama_synchronize(self.ptr)
-        llama_cpp.llama_memory_seq_rm(self.mem, 0, len(self.tokens), -1)
+        llama_cpp.llama_memory_seq_rm(self.mem, seq, len(s.tokens), -1)
+        s.in_flight = False
 
     def shared_prefix(self, tokens: list[int]) -> int:
         """How many leading tokens of `tokens` the cache already holds."""
