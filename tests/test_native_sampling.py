@@ -445,3 +445,41 @@ def test_the_confidence_check_is_exact_where_skipped_logits_decide_it():
     assert _native.top_share_reaches(logits, 7, 0.9997)
     assert not _native.top_share_reaches(logits, 7, 0.9999)
     assert _native.top_share_reaches(logits, 7, 0.0)
+
+
+# ---------------------------------------------------------------- the repetition window
+
+@pytest.mark.parametrize("last_n,expect", [(-1, [1, 2, 3, 4, 9]), (0, []), (1, [9]), (3, [3, 4, 9]), (64, [1, 2, 3, 4, 9])])
+def test_the_penalty_window_means_what_llama_cpp_means(last_n, expect):
+    from edgerun.settings import SamplerSettings
+
+    s = SamplerSettings(repeat_penalty=1.3, repeat_last_n=last_n)
+    assert s.penalty_window([1, 2, 3, 4], 9) == expect
+    assert SamplerSettings(repeat_penalty=1.0, repeat_last_n=last_n).penalty_window([1, 2, 3, 4], 9) == []
+
+
+@pytest.mark.parametrize("last_n", [-1, 0, 1, 6])
+def test_the_repetition_window_of_a_whole_reply_on_the_real_sampler(tiny_model, last_n):
+    """A strongly penalized greedy reply through the native round (plain stretches that extend
+    the window themselves) equals a token-by-token loop on the same model that applies the
+    reference penalty over the window llama.cpp means: the last N tokens, -1 all, 0 none."""
+    from edgerun.decode.generate import Step, generate
+    from edgerun.runtime.engine import Context, Model
+    from edgerun.settings import EngineSettings, SamplerSettings
+
+    sampling = SamplerSettings(temperature=0.0, repeat_penalty=4.0, repeat_last_n=last_n)
+    with Model(tiny_model) as model, Context(model, EngineSettings(n_ctx=256, n_threads=2)) as ctx:
+        prompt = model.tokenize("abab abab abab abab", add_special=False)
+        got = [r.token for r in generate(ctx, prompt, sampling, max_tokens=40) if isinstance(r, Step)]
+        ctx.trim(0)
+        seq, want = list(prompt), []
+        ctx.eval(seq)
+        while len(want) < len(got):
+            window = seq if last_n < 0 else seq[len(seq) - min(len(seq), last_n):] if last_n else []
+            token = int(np.argmax(reference.apply_penalty(ctx.logits(-1), window, 4.0, last_n)))
+            want.append(token)
+            if model.is_eog(token):
+                break
+            seq.append(token)
+            ctx.eval([token])
+    assert got == want and len(got) > 20
