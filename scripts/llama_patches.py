@@ -15,7 +15,7 @@ a prompt's batch (or a speculative verify batch) overwrote the single-token grap
 properties: the next decode step ran uncaptured and the one after captured the graph again, in
 every reply. Keyed by shape as well, each batch size keeps its own captured graph: on an H200,
 `edgerun run` replies got 1.0-1.7% faster on the 0.5B and 1.5B shapes and 0.6% on the 7B
-(docs/BENCHMARKS.md, sixth GPU session).
+(an A/B of `edgerun run` with the patch and without).
 """
 from __future__ import annotations
 
