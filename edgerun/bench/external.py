@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from edgerun.bench.scenario import Scenario, claim, count, interleave, register
+from edgerun.bench.scenario import Scenario, claim, count, interleave, register, side_lines
 from edgerun.bench.stats import ratio_spread, spread
 from edgerun.errors import EdgerunError
 
@@ -87,9 +87,7 @@ def measure(args: argparse.Namespace, say) -> dict:
 def report(doc: dict) -> str:
     s = doc["settings"]
     lines = [f"{s['model']}, {s['max_tokens']} tokens, {s['threads']} threads, raw prompt, greedy, {s['repeat']} turns each"]
-    for name, v in doc["sides"].items():
-        lines.append(f"{name:17} median {v['median']:.2f} tok/s ({v['min']:.2f}-{v['max']:.2f})")
-    return "\n".join(lines)
+    return "\n".join(lines + side_lines(doc["sides"]))
 
 
 register(Scenario("llama-cpp-python", "edgerun run vs llama-cpp-python's Llama, decode tok/s (goal >= 0.98)",

@@ -125,6 +125,12 @@ def claim(text: str, value: dict | float | None, goal: str) -> dict:
     return {"claim": text, "goal": goal, "met": met} | (figure or {"median": None, "min": None, "max": None})
 
 
+def side_lines(sides: dict[str, dict], unit: str = "tok/s") -> list[str]:
+    """One line per side: its median and range over the turns."""
+    width = max(map(len, sides), default=0)
+    return [f"{name:{width}} median {v['median']:.2f} {unit} ({v['min']:.2f}-{v['max']:.2f})" for name, v in sides.items()]
+
+
 def claim_lines(doc: dict) -> list[str]:
     out = []
     for c in doc["claims"]:

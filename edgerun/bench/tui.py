@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-from edgerun.bench.scenario import Scenario, claim, count, interleave, register
+from edgerun.bench.scenario import Scenario, claim, count, interleave, register, side_lines
 from edgerun.bench.stats import ratio_spread, spread
 from edgerun.errors import EdgerunError
 
@@ -138,9 +138,7 @@ def measure(args: argparse.Namespace, say) -> dict:
 def report(doc: dict) -> str:
     s = doc["settings"]
     lines = [f"{s['model']}, {s['max_tokens']} tokens, greedy, {s['repeat']} turn pairs"]
-    for name, v in doc["sides"].items():
-        lines.append(f"{name:9} median {v['median']:.2f} tok/s ({v['min']:.2f}-{v['max']:.2f})")
-    return "\n".join(lines)
+    return "\n".join(lines + side_lines(doc["sides"]))
 
 
 register(Scenario("chat-app", "the chat app's decode tok/s vs the same reply with no UI (goal >= 0.97)",
