@@ -83,8 +83,8 @@ class StatsPanel(Widget):
             spec = (f"accepted {s.acceptance_rate:.0%} ({s.accepted}/{s.drafted})\nmean run {s.mean_accepted_len:.2f}"
                     f"  k={s.spec_k}\nruns    {hist}\ndraft {s.draft_s:.2f}s verify {s.verify_s:.2f}s")
         else:
-            spec = "speculation: off" if not s.governor or s.governor == "no drafter" else ""
-        if s.governor and s.governor != "no drafter":
+            spec = "" if s.governor else "speculation: off"
+        if s.governor:
             spec += f"\ngovernor: {s.governor}"
         self._set("spec", spec.strip())
         self._update()
