@@ -44,7 +44,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ -n "$out" ] || usage
-case "$profile" in full) extras=dev,convert ;; lean) extras="" ;; *) die "--profile is full or lean, not '$profile'" ;; esac
+case "$profile" in full) extras=dev,convert,serve ;; lean) extras=serve ;; *) die "--profile is full or lean, not '$profile'" ;; esac
 [ -z "$have" ] || [ -f "$have" ] || die "--have $have: no such file"
 pin() { sed -n "s/^$1=\([^ ]*\).*/\1/p" "$root/scripts/setup.sh"; }
 llama_version=$(pin LLAMA_CPP_VERSION)

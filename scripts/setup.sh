@@ -14,7 +14,7 @@
 # there; EDGERUN_LLAMA_BENCH=1 also builds llama.cpp's llama-bench in that tree (default
 # build/llama-build; the binary is build/llama-build/bin/llama-bench), the reference side of the
 # GPU scenarios of `edgerun bench`; EDGERUN_CUDA_ARCH (default: native); EDGERUN_EXTRAS (default
-# dev,convert; a bundle's own profile offline) picks the optional dependencies;
+# dev,convert,serve; a bundle's own profile offline) picks the optional dependencies;
 # EDGERUN_SKIP_MODELS=1 skips the model download.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -32,7 +32,7 @@ while [ $# -gt 0 ]; do
     *) die "unknown argument '$1' (scripts/setup.sh [--bundle DIR])" ;;
   esac
 done
-extras=${EDGERUN_EXTRAS:-dev,convert}
+extras=${EDGERUN_EXTRAS:-dev,convert,serve}
 if [ -n "$bundle" ]; then
   # Offline: every pip call takes the bundle's wheels and nothing else, the hub is never asked.
   [ -f "$bundle/bundle.env" ] || die "$bundle is not a bundle (no bundle.env; see scripts/pack_bundle.sh)"
