@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from edgerun.convert.source import prepare_f16
+from testkit.cli import one_line_error, run_cli
 from testkit.tiny import write_tiny_checkpoint
 
 INDEX = "model.safetensors.index.json"
@@ -134,17 +135,22 @@ BREAKAGES: dict[Callable[[Path], None], str] = {
 
 
 @pytest.mark.parametrize("breakage", BREAKAGES, ids=lambda f: f.__name__)
-def test_broken_checkpoint_is_one_line_from_the_cli(tmp_path, breakage):
+def test_broken_checkpoint_is_one_line_from_the_cli(tmp_path, breakage, capsys, monkeypatch):
+    """Through cli.main; the first breakage also in a real edgerun process (the exit status and
+    stderr of the process itself)."""
     src = sharded_checkpoint(tmp_path / "ckpt")
     breakage(src)
     out = tmp_path / "out.gguf"
-    proc = subprocess.run([sys.executable, "-m", "edgerun.cli", "convert", str(src), "-o", str(out),
-                           "--quant", "Q8_0", "--no-weigh", "--eval-chunks", "0"],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "EDGERUN_HOME": str(tmp_path / "home")})
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("edgerun: error:") and BREAKAGES[breakage] in lines[0], lines[0]
+    args = ["convert", str(src), "-o", str(out), "--quant", "Q8_0", "--no-weigh", "--eval-chunks", "0"]
+    monkeypatch.setenv("EDGERUN_HOME", str(tmp_path / "home"))
+    if breakage is next(iter(BREAKAGES)):
+        proc = subprocess.run([sys.executable, "-m", "edgerun.cli", *args], capture_output=True, text=True,
+                              timeout=300, env=os.environ.copy())
+        assert proc.returncode == 1
+        one_line_error(proc, BREAKAGES[breakage])
+    result = run_cli(capsys, *args)
+    assert result.returncode == 1
+    one_line_error(result, BREAKAGES[breakage])
     assert not out.exists()
 
 
