@@ -6,6 +6,7 @@ subject is the process itself (stdout piped into a closed reader, a signal, an R
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import pytest
@@ -23,12 +24,18 @@ class Result:
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> Result:
-    """Run `edgerun ARGS` through cli.main; argparse's SystemExit becomes the exit status."""
+    """Run `edgerun ARGS` through cli.main; argparse's SystemExit becomes the exit status. The
+    logger levels the CLI sets for a process are put back, so later tests see the defaults."""
+    loggers = [logging.getLogger(name) for name in ("edgerun.llama", "huggingface_hub")]
+    levels = [logger.level for logger in loggers]
     capsys.readouterr()  # only this call's output
     try:
         code = cli.main([str(a) for a in args])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
     out, err = capsys.readouterr()
     return Result(code, out, err)
 
