@@ -21,6 +21,7 @@ from edgerun.bench import scenario
 from edgerun.bench import spec as spec_scenario
 from edgerun.commands import bench_table
 from edgerun.errors import ConfigError
+from testkit.cli import run_cli
 
 EDGERUN = [sys.executable, "-m", "edgerun.cli"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -231,9 +232,10 @@ def test_host_share():
 # -- scenarios end to end on the tiny model ----------------------------------------------------
 
 
-def _scenario_doc(tmp_path, name, *args):
+def _scenario_doc(capsys, tmp_path, name, *args):
+    """`edgerun bench NAME ... --json` through cli.main: the document and what was printed."""
     out = tmp_path / f"{name}.json"
-    proc = edgerun("bench", name, *args, "--json", str(out))
+    proc = run_cli(capsys, "bench", name, *args, "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     assert ENVELOPE <= set(doc) and doc["scenario"] == name and doc["schema"] == scenario.SCHEMA
@@ -243,9 +245,9 @@ def _scenario_doc(tmp_path, name, *args):
     return doc, proc
 
 
-def test_spec_scenario_on_the_tiny_model(tiny_model, tmp_path):
-    doc, proc = _scenario_doc(tmp_path, "spec", "-m", str(tiny_model), "--draft", str(tiny_model), "--temps", "0",
-                              "-n", "12", "--repeat", "2", "--prompts", "codegen,code-edit")
+def test_spec_scenario_on_the_tiny_model(tiny_model, tmp_path, capsys):
+    doc, proc = _scenario_doc(capsys, tmp_path, "spec", "-m", str(tiny_model), "--draft", str(tiny_model), "--temps", "0",
+                              "-n", "12", "--repeat", "2", "--prompts", "codegen,code-edit", "--threads", "1")
     assert doc["settings"]["prompts"] == ["codegen", "code-edit"] and doc["settings"]["repeat"] == 2
     assert set(doc["sides"]) == {"plain", "draft", "ngram"} and doc["sides"]["ngram"]["ngram"] is True
     rows = {(r["prompt"], r["drafter"]): r for r in doc["rows"]}
@@ -258,16 +260,16 @@ def test_spec_scenario_on_the_tiny_model(tiny_model, tmp_path):
     assert "ratio (min-max)" in proc.stdout
 
 
-def test_round_host_scenario_on_the_tiny_model(tiny_model, tmp_path):
-    doc, _ = _scenario_doc(tmp_path, "round-host", "-m", str(tiny_model), "-n", "12", "--repeat", "1",
-                           "--prompts", "code-edit")
+def test_round_host_scenario_on_the_tiny_model(tiny_model, tmp_path, capsys):
+    doc, _ = _scenario_doc(capsys, tmp_path, "round-host", "-m", str(tiny_model), "-n", "12", "--repeat", "1",
+                           "--prompts", "code-edit", "--threads", "1")
     assert [(r["prompt"], r["side"]) for r in doc["rows"]] == [("code-edit", "plain"), ("code-edit", "ngram")]
     worst = max(r["host_share"]["max"] for r in doc["rows"])
     assert 0 <= worst < 1 and doc["claims"][0]["median"] == worst
 
 
-def test_llama_cpp_python_scenario_on_the_tiny_model(tiny_model, tmp_path):
-    doc, proc = _scenario_doc(tmp_path, "llama-cpp-python", "-m", str(tiny_model), "-n", "12", "--repeat", "2",
+def test_llama_cpp_python_scenario_on_the_tiny_model(tiny_model, tmp_path, capsys):
+    doc, proc = _scenario_doc(capsys, tmp_path, "llama-cpp-python", "-m", str(tiny_model), "-n", "12", "--repeat", "2",
                               "--threads", "1")
     assert {k: len(v) for k, v in doc["decode_tok_s"].items()} == {"edgerun": 2, "llama-cpp-python": 2}
     assert all(x > 0 for v in doc["decode_tok_s"].values() for x in v)
@@ -277,20 +279,20 @@ def test_llama_cpp_python_scenario_on_the_tiny_model(tiny_model, tmp_path):
     assert proc.stderr.count("[1/2]") == 1 and "[2/2]" in proc.stderr
 
 
-def test_a_failing_side_is_one_line(tmp_path):
+def test_a_failing_side_is_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(64))
-    proc = edgerun("bench", "llama-cpp-python", "-m", str(bad), "--repeat", "1")
+    proc = run_cli(capsys, "bench", "llama-cpp-python", "-m", str(bad), "--repeat", "1")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("edgerun: error:")
 
 
 @pytest.mark.slow
-def test_convert_scenario_on_a_tiny_checkpoint(tmp_path):
+def test_convert_scenario_on_a_tiny_checkpoint(tmp_path, capsys):
     from testkit.tiny import write_tiny_checkpoint
 
     src = write_tiny_checkpoint(tmp_path / "hf", "qwen2")
-    doc, proc = _scenario_doc(tmp_path, "convert", "--src", str(src), "--work", str(tmp_path / "work"),
+    doc, proc = _scenario_doc(capsys, tmp_path, "convert", "--src", str(src), "--work", str(tmp_path / "work"),
                               "--eval-chunks", "1", "--calib-chunks", "1", "--no-weigh", "--no-prose")
     assert set(doc["results"]) == {"stock Q3_K_M", "edgerun @Q3_K_M (code calib)", "stock Q2_K",
                                    "edgerun @Q2_K (code calib)"}

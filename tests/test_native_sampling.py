@@ -468,7 +468,7 @@ def test_the_repetition_window_of_a_whole_reply_on_the_real_sampler(tiny_model, 
     from edgerun.settings import EngineSettings, SamplerSettings
 
     sampling = SamplerSettings(temperature=0.0, repeat_penalty=4.0, repeat_last_n=last_n)
-    with Model(tiny_model) as model, Context(model, EngineSettings(n_ctx=256, n_threads=2)) as ctx:
+    with Model(tiny_model) as model, Context(model, EngineSettings(n_ctx=256, n_threads=1)) as ctx:
         prompt = model.tokenize("abab abab abab abab", add_special=False)
         got = [r.token for r in generate(ctx, prompt, sampling, max_tokens=40) if isinstance(r, Step)]
         ctx.trim(0)
