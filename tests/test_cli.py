@@ -1,6 +1,7 @@
-"""The `edgerun` command as a user runs it: a subprocess, stdout for text, one-line errors. Most
-run on the tiny model (conftest's tiny_model); a real model only where the reply's words or the
-catalog matter."""
+"""The `edgerun` command as a user runs it: stdout for text, one-line errors. Most run on the tiny
+model (conftest's tiny_model); a real model only where the reply's words or the catalog matter.
+Tests of the process itself (stdout and stderr apart, its RSS, a pipe closed under it, Ctrl+C, an
+unknown name's one line) run a real edgerun process; the others call cli.main (testkit.cli)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 
 import pytest
 from conftest import TINY_CTX
+
+from testkit.cli import one_line_error, run_cli
 
 EDGERUN = [sys.executable, "-m", "edgerun.cli"]
 # the tiny model on one thread: a step is a fraction of a millisecond of work, so threads meeting at
@@ -23,15 +26,10 @@ def edgerun(*args, input=None, timeout=300, env=None):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def _one_line_error(proc, *needles):
-    assert proc.returncode not in (0,) and proc.returncode > 0, proc.stderr
-    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("edgerun: error:")
-    assert "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in lines[0]
-    return lines[0]
+@pytest.fixture
+def cli(capsys):
+    """`edgerun ARGS` in this process: cli(*args) -> returncode, stdout, stderr."""
+    return lambda *args: run_cli(capsys, *args)
 
 
 def test_run_streams_only_text_to_stdout_and_writes_stats(tiny_model, tmp_path):
@@ -50,11 +48,11 @@ def test_run_streams_only_text_to_stdout_and_writes_stats(tiny_model, tmp_path):
     assert stats["peak_rss_bytes"] > tiny_model.stat().st_size  # the weights were read
 
 
-def test_run_is_deterministic_and_raw_skips_template(tiny_model):
+def test_run_is_deterministic_and_raw_skips_template(tiny_model, cli):
     args = ["-m", str(tiny_model), *ONE_THREAD, "-n", "12", "--temp", "0"]
-    a = edgerun("run", "def fib(n):", *args)
-    b = edgerun("run", "def fib(n):", *args)
-    raw = edgerun("run", "def fib(n):", *args, "--raw")
+    a = cli("run", "def fib(n):", *args)
+    b = cli("run", "def fib(n):", *args)
+    raw = cli("run", "def fib(n):", *args, "--raw")
     assert a.returncode == b.returncode == raw.returncode == 0, a.stderr + raw.stderr
     assert a.stdout == b.stdout
     assert raw.stdout != a.stdout
@@ -70,15 +68,15 @@ def test_run_reads_stdin_and_pipes_into_a_closed_reader(tiny_model):
 
 
 @pytest.mark.parametrize("flags", [["--draft", "SELF"], ["--ngram"]], ids=["self-draft", "ngram"])
-def test_run_with_speculation_prints_what_plain_decoding_prints(tiny_model, tmp_path, flags):
+def test_run_with_speculation_prints_what_plain_decoding_prints(tiny_model, tmp_path, flags, cli):
     """At --temp 0 a speculative reply is the target's own, token for token; the stats say how
     many drafts were proposed and accepted (the tiny model as its own draft accepts every one)."""
     args = ["run", "def add(a, b): return a + b\ndef add(a, b):", "-m", str(tiny_model), "-n", "48", "--temp", "0",
             "--ctx", "512", "--gpu-layers", "0", *ONE_THREAD]
-    plain = edgerun(*args)
+    plain = cli(*args)
     flags = [str(tiny_model) if f == "SELF" else f for f in flags]
     stats_path = tmp_path / "stats.json"
-    spec = edgerun(*args, *flags, "--spec-k", "4", "--stats-json", str(stats_path))
+    spec = cli(*args, *flags, "--spec-k", "4", "--stats-json", str(stats_path))
     assert plain.returncode == spec.returncode == 0, plain.stderr + spec.stderr
     assert spec.stdout == plain.stdout and plain.stdout.strip()
     stats = json.loads(stats_path.read_text())
@@ -89,45 +87,45 @@ def test_run_with_speculation_prints_what_plain_decoding_prints(tiny_model, tmp_
 
 
 def test_unknown_model_name():
-    line = _one_line_error(edgerun("run", "hi", "-m", "no-such-model"), "no-such-model")
+    line = one_line_error(edgerun("run", "hi", "-m", "no-such-model"), "no-such-model")
     assert "qwen2.5-coder-1.5b" in line  # says what is known
 
 
-def test_missing_file(tmp_path):
-    _one_line_error(edgerun("run", "hi", "-m", str(tmp_path / "nope.gguf")), "no such file")
+def test_missing_file(tmp_path, cli):
+    one_line_error(cli("run", "hi", "-m", str(tmp_path / "nope.gguf")), "no such file")
 
 
-def test_not_a_gguf(tmp_path):
+def test_not_a_gguf(tmp_path, cli):
     bad = tmp_path / "notes.gguf"
     bad.write_text("this is not a model\n" * 10)
-    _one_line_error(edgerun("run", "hi", "-m", str(bad)), "not a GGUF")
+    one_line_error(cli("run", "hi", "-m", str(bad)), "not a GGUF")
 
 
-def test_context_larger_than_the_model_supports(tiny_model):
-    line = _one_line_error(edgerun("run", "hi", "-m", str(tiny_model), "--ctx", "10000000"), "--ctx")
+def test_context_larger_than_the_model_supports(tiny_model, cli):
+    line = one_line_error(cli("run", "hi", "-m", str(tiny_model), "--ctx", "10000000"), "--ctx")
     assert str(TINY_CTX) in line
 
 
-def test_an_empty_raw_prompt(tiny_model):
+def test_an_empty_raw_prompt(tiny_model, cli):
     """Qwen adds no BOS: an empty raw prompt has no tokens (it crashed in the first pick)."""
-    proc = edgerun("run", "", "--raw", "-m", str(tiny_model), *ONE_THREAD, "-n", "4")
-    _one_line_error(proc, "prompt has no tokens")
+    proc = cli("run", "", "--raw", "-m", str(tiny_model), *ONE_THREAD, "-n", "4")
+    one_line_error(proc, "prompt has no tokens")
 
 
-def test_counts_below_one_and_a_tiny_context(tiny_model):
-    proc = edgerun("run", "hi", "-m", str(tiny_model), *ONE_THREAD, "-n", "0")
+def test_counts_below_one_and_a_tiny_context(tiny_model, cli):
+    proc = cli("run", "hi", "-m", str(tiny_model), *ONE_THREAD, "-n", "0")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith("-n/--max-tokens: '0' is not a whole number of 1 or more")
     # --ctx 16 aborted the process (llama.cpp caps its batch at the context; edgerun chunked the
     # prompt by the requested 512); a context too small for a chat template is now refused
-    _one_line_error(edgerun("run", "hi", "-m", str(tiny_model), *ONE_THREAD, "--ctx", "16"), "--ctx 64")
+    one_line_error(cli("run", "hi", "-m", str(tiny_model), *ONE_THREAD, "--ctx", "16"), "--ctx 64")
 
 
-def test_a_reply_stops_where_the_context_ends(tiny_model, tmp_path):
+def test_a_reply_stops_where_the_context_ends(tiny_model, tmp_path, cli):
     """The reply is cut ("length") before the context overflows; it ended in a traceback from a
     failed llama_decode."""
     stats = tmp_path / "stats.json"
-    proc = edgerun("run", "List the numbers from 1 to 300, separated by commas.", "-m", str(tiny_model), *ONE_THREAD,
+    proc = cli("run", "List the numbers from 1 to 300, separated by commas.", "-m", str(tiny_model), *ONE_THREAD,
                    "--ctx", "64", "-n", "500", "--temp", "0", "--stats-json", str(stats))
     assert proc.returncode == 0, proc.stderr
     data = json.loads(stats.read_text())
@@ -135,8 +133,8 @@ def test_a_reply_stops_where_the_context_ends(tiny_model, tmp_path):
     assert 100 < data["generated_tokens"] < 500
 
 
-def test_bad_gpu_layers_value(tiny_model):
-    _one_line_error(edgerun("run", "hi", "-m", str(tiny_model), "--gpu-layers", "lots"), "--gpu-layers")
+def test_bad_gpu_layers_value(tiny_model, cli):
+    one_line_error(cli("run", "hi", "-m", str(tiny_model), "--gpu-layers", "lots"), "--gpu-layers")
 
 
 def test_list_and_doctor(small_model):
@@ -157,9 +155,9 @@ def test_pull_of_a_present_model_prints_only_its_path(small_model):
     assert proc.stdout.strip() == str(small_model)
 
 
-def test_pull_and_rm_of_unknown_names():
-    _one_line_error(edgerun("rm", "no-such-model"), "no-such-model")
-    _one_line_error(edgerun("pull", "no-such-model"), "no-such-model")
+def test_pull_and_rm_of_unknown_names(cli):
+    one_line_error(cli("rm", "no-such-model"), "no-such-model")
+    one_line_error(cli("pull", "no-such-model"), "no-such-model")
 
 
 def test_chat_plain_keeps_history_and_exits_on_eof(small_model):
