@@ -11,9 +11,10 @@
 # Knobs (environment): EDGERUN_PYTHON=/path/to/python installs into that interpreter's
 # environment instead of .venv (a conda env, a container image with torch); EDGERUN_LLAMA_SDIST
 # builds from a local llama-cpp-python sdist; EDGERUN_LLAMA_BUILD_DIR keeps llama.cpp's build tree
-# there; EDGERUN_LLAMA_BENCH=1 also builds llama.cpp's llama-bench in that tree (default
-# build/llama-build; the binary is build/llama-build/bin/llama-bench), the reference side of the
-# GPU scenarios of `edgerun bench`; EDGERUN_CUDA_ARCH (default: native); EDGERUN_EXTRAS (default
+# there; EDGERUN_LLAMA_BENCH=1 also builds llama.cpp's own llama-bench, llama-server and
+# llama-batched-bench (scripts/build_llama_tools.sh: the same source and backend flags, a tree of
+# their own in build/llama-tools, linked in build/bin), the reference sides of `edgerun bench`'s
+# GPU and serve scenarios; EDGERUN_CUDA_ARCH (default: native); EDGERUN_EXTRAS (default
 # dev,convert,serve; a bundle's own profile offline) picks the optional dependencies;
 # EDGERUN_SKIP_MODELS=1 skips the model download.
 set -euo pipefail
@@ -94,9 +95,9 @@ if [ "$backend" = cuda ]; then
   # the CUDA build carries edgerun's source patches (scripts/llama_patches.py says what and why)
   want+=" patches=$(sha256sum scripts/llama_patches.py | cut -d' ' -f1)"
 fi
+tools_want="$want"  # what the tools' build depends on: the library's settings, not its build tree
 build_dir=()
 bench=${EDGERUN_LLAMA_BENCH:-0}
-[ "$bench" != 1 ] || : "${EDGERUN_LLAMA_BUILD_DIR:=$root/build/llama-build}"
 if [ -n "${EDGERUN_LLAMA_BUILD_DIR:-}" ]; then
   build_dir=(-C "build-dir=$EDGERUN_LLAMA_BUILD_DIR")
   want+=" build-dir=$EDGERUN_LLAMA_BUILD_DIR"
@@ -118,24 +119,29 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     "$py" scripts/llama_patches.py prepare "${EDGERUN_LLAMA_SDIST:-}" "$root/build/llama-src" --version "$LLAMA_CPP_VERSION"
     sdist="$root/build/llama-src"
   fi
-  rm -f "$root/build/bin/llama-bench"  # built from the old tree
   CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     "$py" -m pip install --no-cache-dir --force-reinstall --no-deps --no-build-isolation --no-binary llama-cpp-python \
     ${build_dir[@]+"${build_dir[@]}"} "$sdist" >&2
   echo "$want" > "$stamp"
 fi
 
-# llama-bench from the same tree: the same ggml objects as the library edgerun loads, so the GPU
-# scenarios compare decode paths, not builds; only its own sources compile (13 s on 16 cores).
-if [ "$bench" = 1 ] && [ ! -x "$root/build/bin/llama-bench" ]; then
-  log "building llama-bench in $EDGERUN_LLAMA_BUILD_DIR"
-  cmake_bin=$(command -v "$bindir/cmake" cmake | head -1)
-  "$cmake_bin" "$EDGERUN_LLAMA_BUILD_DIR" -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON >/dev/null
-  "$cmake_bin" --build "$EDGERUN_LLAMA_BUILD_DIR" --target llama-bench -j "$(nproc)" >/dev/null
-  found=$(find "$EDGERUN_LLAMA_BUILD_DIR" -type f -name llama-bench -perm -u+x | head -1)
-  [ -n "$found" ] || die "llama-bench was not built in $EDGERUN_LLAMA_BUILD_DIR"
-  mkdir -p "$root/build/bin"
-  ln -sf "$found" "$root/build/bin/llama-bench"
+# llama.cpp's own tools from the same source and backend flags, in a standalone tree: the
+# installed library is never rebuilt for them. The sides of a comparison then run the same ggml
+# kernels, so it compares decode paths and servers, not builds. Rebuilt when the library's build
+# settings change (the tools tree's stamp); on 2 cores the first build takes about 10 minutes.
+tools_dir="$root/build/llama-tools"
+tools_ok() { for t in llama-bench llama-server llama-batched-bench; do [ -x "$root/build/bin/$t" ] || return 1; done; }
+if [ "$bench" = 1 ] && { [ "$(cat "$tools_dir/.stamp" 2>/dev/null)" != "$tools_want" ] || ! tools_ok; }; then
+  log "building llama-bench, llama-server and llama-batched-bench in $tools_dir"
+  src="$root/build/llama-src"
+  if ! grep -qx "Version: $LLAMA_CPP_VERSION" "$src/PKG-INFO" 2>/dev/null; then
+    "$py" scripts/llama_patches.py prepare "${EDGERUN_LLAMA_SDIST:-}" "$src" --version "$LLAMA_CPP_VERSION"
+  fi
+  rm -f "$tools_dir/.stamp"
+  # shellcheck disable=SC2086  # cmake_args is a list of -D flags without spaces
+  PATH="$bindir:$PATH" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    scripts/build_llama_tools.sh "$src" "$tools_dir" "$root/build/bin" $cmake_args
+  echo "$tools_want" > "$tools_dir/.stamp"
 fi
 
 # edgerun itself (editable), re-installed only when pyproject.toml or native/ changed.
