@@ -20,6 +20,7 @@ from edgerun import paths
 from edgerun.errors import ChecksumMismatch, ConfigError, DiskFull, FetchError
 from edgerun.models import catalog, fetch
 from edgerun.models.catalog import Source
+from testkit.cli import run_cli
 from test_fetch import (  # noqa: F401  (hub, model, refused_endpoint, wheelhouse are fixtures)
     COMMIT,
     FILE,
@@ -90,9 +91,10 @@ BAD_URIS = [
 
 
 @pytest.mark.parametrize("uri", BAD_URIS)
-def test_cli_pull_of_an_invalid_hub_name_is_one_clear_line(uri, monkeypatch, tmp_path, refused_endpoint):
+def test_cli_pull_of_an_invalid_hub_name_is_one_clear_line(uri, monkeypatch, tmp_path, refused_endpoint, capsys):
+    """Through cli.main; the first also in a real edgerun process."""
     _isolate(monkeypatch, tmp_path, refused_endpoint)
-    proc = _edgerun("pull", uri)
+    proc = _edgerun("pull", uri) if uri == BAD_URIS[0] else run_cli(capsys, "pull", uri)
 
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout == ""
@@ -101,9 +103,9 @@ def test_cli_pull_of_an_invalid_hub_name_is_one_clear_line(uri, monkeypatch, tmp
     assert not (tmp_path / "hf" / "hub").exists()  # nothing was written to the hub cache
 
 
-def test_running_an_invalid_hub_name_is_one_clear_line(monkeypatch, tmp_path, refused_endpoint):
+def test_running_an_invalid_hub_name_is_one_clear_line(monkeypatch, tmp_path, refused_endpoint, capsys):
     _isolate(monkeypatch, tmp_path, refused_endpoint)
-    proc = _edgerun("run", "hi", "-n", "1", "-m", "hf://org/re po/f.gguf")
+    proc = run_cli(capsys, "run", "hi", "-n", "1", "-m", "hf://org/re po/f.gguf")
 
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines() == [
