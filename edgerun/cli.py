@@ -158,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_args(p)
     _add_bench_scenarios(p)
 
+    p = sub.add_parser("serve", help="an OpenAI-compatible server on 127.0.0.1 (continuous batching)",
+                       description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health and "
+                                   "/metrics. Ctrl-C or SIGTERM drains running replies, then exits 0.")
+    _add_model_args(p)
+    _add_serve_args(p)
     p = sub.add_parser("pull", help="download a model (prints its path)")
     p.add_argument("model", nargs="?", help="catalog name, hf://org/repo/file.gguf, or a path")
     p.add_argument("--default", action="store_true", help="the default target and its draft")
@@ -173,6 +178,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="an HF checkpoint or F16 GGUF into mixed k-quants chosen by measurement")
     _add_convert_args(p)
     return parser
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from edgerun.serve import command
+
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (any but loopback needs --api-key)")
+    p.add_argument("--port", type=_number(0, 65535, whole=True), default=command.DEFAULT_PORT,
+                   help=f"TCP port (default {command.DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--parallel", type=_at_least_one, default=4,
+                   help="sequences decoded together, each with --ctx tokens of KV (default 4)")
+    p.add_argument("--queue", type=_number(0, whole=True), default=64,
+                   help="requests that may wait for a slot before new ones get 503 (default 64)")
+    p.add_argument("--prefill-chunk", type=_at_least_one, default=256,
+                   help="tokens per engine step, running replies' included: a long prompt is evaluated in"
+                        " chunks of about this size between their tokens (default 256)")
+    p.add_argument("--api-key", default=None, help=f"require Authorization: Bearer KEY (or set {command.KEY_ENV})")
+    p.add_argument("--drain-timeout", type=_number(0), default=command.DRAIN_S,
+                   help=f"seconds Ctrl-C waits for running replies (default {command.DRAIN_S:g})")
 
 
 def _add_convert_args(p: argparse.ArgumentParser) -> None:

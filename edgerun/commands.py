@@ -189,6 +189,19 @@ def _chat_turn(runner, messages, sampling, max_tokens) -> str:
     return reply
 
 
+def cmd_serve(args) -> int:
+    from edgerun.runner import Runner
+    from edgerun.serve.command import serve
+
+    def load():
+        settings = _engine_settings(args).replace(n_seq=args.parallel)
+        runner = Runner(_model_spec(args), settings, draft=args.draft, ngram=args.ngram, spec_k=_spec_k(args))
+        for note in runner.notes:
+            _err(f"edgerun: note: {note}")
+        return runner
+    return serve(args, load)
+
+
 def cmd_pull(args) -> int:
     cat = catalog.load()
     if args.default and args.model:

@@ -32,7 +32,7 @@ def footprint(info: GGUFInfo, settings: EngineSettings) -> placement.Footprint:
         layer_bytes=info.layer_bytes,
         input_bytes=info.input_bytes,
         output_bytes=info.output_bytes,
-        kv_per_layer=placement.kv_bytes_per_layer(n_ctx, info.n_head_kv, info.head_dim),
+        kv_per_layer=placement.kv_bytes_per_layer(n_ctx * settings.n_seq, info.n_head_kv, info.head_dim),
         compute_bytes=placement.compute_bytes(
             min(settings.n_ubatch, settings.n_batch), info.n_vocab, info.n_embd, info.n_head, n_ctx),
         tied_head=info.tied_head,

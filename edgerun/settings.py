@@ -57,6 +57,7 @@ class EngineSettings:
     n_threads: int = dataclasses.field(default_factory=physical_cores)
     gpu_layers: str = "auto"  # "auto", or a layer count as text
     max_vram: int | None = None  # bytes of VRAM the plan may use; None: all that is free
+    n_seq: int = 1  # sequences sharing the context (the server's slots), each up to n_ctx tokens
 
     def replace(self, **changes) -> "EngineSettings":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})

@@ -112,9 +112,14 @@ def generate(
     cancel: threading.Event | None = None,
     spec_config: SpecConfig | None = None,
     memory: GovernorMemory | None = None,
+    seq: int = 0,
+    rng: _native.Rng | None = None,
 ) -> Iterator[Prefill | Step | Round]:
     """Evaluate the prompt, then decode up to max_tokens tokens, yielding each as it is ready.
-    `memory`: what the governors learned in earlier replies (the runner's), updated in place."""
+    `memory`: what the governors learned in earlier replies (the runner's), updated in place.
+    `seq`: the context's sequence to decode in. `rng`: the sampler's random stream (default: one
+    seeded from sampling.seed), which a caller that goes on decoding the reply itself passes in.
+    Closed between rounds, the context holds the prompt and every token yielded but the last."""
     if not prompt:  # e.g. `--raw ""` with a model that adds no BOS: no logits to pick from
         raise ConfigError("the prompt has no tokens, so there is nothing to continue; give some text")
     # the reply ends ("length") where the context would overflow: a verify batch writes the
@@ -126,13 +131,13 @@ def generate(
     max_tokens = min(max_tokens, room)
     start = time.perf_counter()
     params = native_params(sampling)
-    rng = native_rng(sampling.seed)
-    speculator = Speculator(spec_config or SpecConfig(), ctx, prompt, sampling, params, memory=memory)
+    rng = rng or native_rng(sampling.seed)
+    speculator = Speculator(spec_config or SpecConfig(), ctx, prompt, sampling, params, memory=memory, seq=seq)
     speculator.settle_sampler()  # before the prompt: its last output is the first pick
-    evaluated = ctx.prefill(prompt)
+    evaluated = ctx.prefill(prompt, seq)
     yield Prefill(len(prompt), evaluated, time.perf_counter() - start)
     emit = _Emitter(ctx, max_tokens, cancel, start)
-    last = first_pick(ctx, sampling.penalty_window(ctx.tokens), params, rng)
+    last = first_pick(ctx, sampling.penalty_window(ctx.held(seq)), params, rng)
     yield emit.step(last, False)
     try:
         while not emit.done:

@@ -129,7 +129,7 @@ class Speculator:
         """`lag`: tokens the model draft would prefill before drafting (0 for a short lag, which
         rides along in the round's batch). k never exceeds what one batch holds, nor the context
         left: the verify batch writes `last` and k drafts from position n_past on."""
-        room = min(self.k_cap, self.target.n_ctx - self.target.n_past - 1)
+        room = min(self.k_cap, self.target.n_ctx - len(self.target.held(self.seq)) - 1)
         available = room if available is None else min(available, room)
         if self.cfg.k is not None:
             fit = f" ({room} fit)" if room < self.cfg.k else ""
@@ -152,17 +152,18 @@ class Speculator:
         start = time.perf_counter()
         # everything committed before `last` is what the target's cache holds. A short lag rides in
         # the native round's first draft batch with `last`; a long one goes in n_batch chunks here
-        lag = len(self.target.tokens) - keep
+        committed = self.target.held(self.seq)
+        lag = len(committed) - keep
         long_lag = lag > FEED_MAX or lag + 1 > draft.n_batch  # the feed is one llama_decode batch
         if long_lag:
-            draft.sync(self.target.tokens)
-            keep = draft.n_past
+            draft.sync(committed, seq=self.seq)
+            keep = len(draft.held(self.seq))
         else:
-            draft.trim(keep)
+            draft.trim(keep, self.seq)
         catch_up = time.perf_counter() - start
         if long_lag:  # ... and the governor weighs it against re-checking a losing draft
             self.memory.put("model", governor.caught_up(self.memory.get("model"), lag, catch_up))
-        return self.target.tokens[keep:] + [last], keep, catch_up
+        return committed[keep:] + [last], keep, catch_up
 
     def _plain_steps(self, remaining: int) -> int:
         """How many plain tokens one native call may decode: one while an n-gram match could start
@@ -196,9 +197,10 @@ class Speculator:
         """The next round's plan: the one place a RoundPlan is built. `remaining`: tokens the reply
         may still produce."""
         plan = _native.RoundPlan()
-        plan.target, plan.seq, plan.last, plan.target_n_past = self.target.address, self.seq, last, self.target.n_past
+        committed = self.target.held(self.seq)
+        plan.target, plan.seq, plan.last, plan.target_n_past = self.target.address, self.seq, last, len(committed)
         plan.p_min, plan.params, plan.rule, plan.plain_budget_s = self.cfg.p_min, self.params, self.cfg.rule, PLAIN_BUDGET_S
-        plan.history = self.sampling.penalty_window(self.target.tokens, last)
+        plan.history = self.sampling.penalty_window(committed, last)
         if self.ngram:
             self.ngram.extend([last])
             proposals = self.ngram.propose(self.cfg.k or governor.K_MAX)
@@ -212,8 +214,8 @@ class Speculator:
         if self.cfg.draft is None or self.mode is Mode.PLAIN:
             self._planned = _Planned("model", self.off_why) if self.off_why else _Planned("none", NO_DRAFTER)
             return self._plain(plan, remaining)
-        keep = self.cfg.draft.shared_prefix(self.target.tokens)  # once per round: O(context)
-        decision = self._choose("model", None, remaining, lag=len(self.target.tokens) - keep)
+        keep = self.cfg.draft.shared_prefix(committed, self.seq)  # once per round: O(context)
+        decision = self._choose("model", None, remaining, lag=len(committed) - keep)
         if self.governed:
             self._set_mode(decision)
         if decision.k == 0:

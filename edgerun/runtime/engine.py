@@ -104,6 +104,27 @@ class Batch:
         self.raw = llama_cpp.llama_batch_init(capacity, 0, 1)
         self._closed = False
 
+    def fill_rows(self, rows: list[tuple[int, list[int], int, bool]]) -> list[int]:
+        """Several sequences in one batch: (seq, tokens, first position, logits for the last
+        token) per row. Returns each row's batch index of its last token."""
+        b = self.raw
+        n = sum(len(tokens) for _, tokens, _, _ in rows)
+        if n > self.capacity:
+            raise ValueError(f"batch of {n} tokens exceeds capacity {self.capacity}")
+        i, last = 0, []
+        for seq, tokens, pos, logits in rows:
+            for j, tok in enumerate(tokens):
+                b.token[i] = tok
+                b.pos[i] = pos + j
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = seq
+                b.logits[i] = False
+                i += 1
+            b.logits[i - 1] = logits
+            last.append(i - 1)
+        b.n_tokens = n
+        return last
+
     def fill(self, tokens: list[int], start_pos: int, *, seq: int = 0, all_logits: bool = False) -> None:
         b = self.raw
         n = len(tokens)
@@ -141,8 +162,9 @@ class KvSequence:
 class Context:
     """Owns a llama_context* and its batch, and is the one writer of what its KV cache holds per
     sequence (its own evals and trims, and the native round's writes through commit), so a new
-    prompt that extends the last one (a chat turn) evaluates only the new part. One sequence
-    (id 0) today; the ids are part of the state so that several can share a context."""
+    prompt that extends the last one (a chat turn) evaluates only the new part. With
+    settings.n_seq > 1 the sequences 0..n_seq-1 share one unified KV cache of n_seq * n_ctx cells
+    (a prefix copied between them shares its cells), each up to n_ctx positions long."""
 
     def __init__(self, model: Model, settings: EngineSettings, *, eval_callback: tuple[int, int] | None = None):
         """eval_callback: (function address, user data address) of a ggml_backend_sched_eval_callback
@@ -152,7 +174,9 @@ class Context:
         if eval_callback is not None:
             params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(eval_callback[0])
             params.cb_eval_user_data = ctypes.c_void_p(eval_callback[1])
-        params.n_ctx = settings.n_ctx
+        params.n_ctx = settings.n_ctx * settings.n_seq
+        params.n_seq_max = settings.n_seq
+        params.kv_unified = settings.n_seq > 1
         params.n_batch = settings.n_batch
         params.n_ubatch = min(settings.n_ubatch, settings.n_batch)
         params.n_threads = settings.n_threads
@@ -161,11 +185,12 @@ class Context:
         self.ptr = llama_cpp.llama_init_from_model(model.ptr, params)
         if not self.ptr:
             raise EngineError(f"llama.cpp could not create a context of {settings.n_ctx} tokens (out of memory?)")
-        self.n_ctx = llama_cpp.llama_n_ctx(self.ptr)
+        self.n_cells = llama_cpp.llama_n_ctx(self.ptr)
+        self.n_ctx = self.n_cells // settings.n_seq  # the positions one sequence may hold
         self.n_batch = llama_cpp.llama_n_batch(self.ptr)  # llama.cpp caps it at n_ctx
         self.batch = Batch(self.n_batch)
         self.mem = llama_cpp.llama_get_memory(self.ptr)
-        self._seqs = {0: KvSequence()}
+        self._seqs = {seq: KvSequence() for seq in range(settings.n_seq)}
         self._device_greedy = None  # the sampler chain llama.cpp runs in the graph, while attached
 
     def close(self) -> None:
@@ -194,14 +219,21 @@ class Context:
         except KeyError:
             raise EngineError(f"sequence {seq} is not open in this context") from None
 
+    def held(self, seq: int = 0) -> list[int]:
+        """What the KV cache holds for a sequence (read it; only the context changes it)."""
+        return self._seq(seq).tokens
+
     @property
     def tokens(self) -> list[int]:
-        """What the KV cache holds for sequence 0 (read it; only the context changes it)."""
         return self._seqs[0].tokens
 
     @property
     def n_past(self) -> int:
         return len(self._seqs[0].tokens)
+
+    @property
+    def n_seq(self) -> int:
+        return len(self._seqs)
 
     def in_flight(self, seq: int = 0) -> bool:
         return self._seq(seq).in_flight
@@ -233,6 +265,34 @@ class Context:
                 raise EngineError(f"llama_decode failed with code {rc}")
             held.extend(chunk)
 
+    def decode_rows(self, rows: list[tuple[int, list[int], bool]]) -> list[int]:
+        """One llama_decode of several sequences' tokens: (seq, tokens, logits for the last one)
+        per row, each appended at its sequence's end. Returns each row's output index (for
+        logits and _native.sample_context)."""
+        placed = []
+        for seq, tokens, logits in rows:
+            self.land(seq)
+            held = self._seq(seq).tokens
+            if len(held) + len(tokens) > self.n_ctx:
+                raise ConfigError(f"sequence {seq} is full ({len(held)} + {len(tokens)} tokens > {self.n_ctx})")
+            placed.append((seq, tokens, len(held), logits))
+        last = self.batch.fill_rows(placed)
+        rc = llama_cpp.llama_decode(self.ptr, self.batch.raw)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed with code {rc}" + (" (no free KV cells)" if rc == 1 else ""))
+        for seq, tokens, _ in rows:
+            self._seqs[seq].tokens.extend(tokens)
+        return last
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Make sequence dst hold the first n tokens of src. In a unified cache the cells are
+        shared, not copied: the prefix costs no memory until one of them trims it."""
+        self.land(src)
+        self.trim(0, dst)
+        if n:
+            llama_cpp.llama_memory_seq_cp(self.mem, src, dst, 0, n)
+            self._seq(dst).tokens.extend(self._seq(src).tokens[:n])
+
     def commit(self, seq: int, write) -> None:
         """Record what a native round left in this KV (a _native.KvWrite): the tokens it kept
         from `pos` on, trimming the positions it decoded but does not keep (rejected drafts),
@@ -259,24 +319,24 @@ class Context:
         llama_cpp.llama_memory_seq_rm(self.mem, seq, len(s.tokens), -1)
         s.in_flight = False
 
-    def shared_prefix(self, tokens: list[int]) -> int:
+    def shared_prefix(self, tokens: list[int], seq: int = 0) -> int:
         """How many leading tokens of `tokens` the cache already holds."""
-        return _common_prefix(self.tokens, tokens)
+        return _common_prefix(self._seq(seq).tokens, tokens)
 
-    def sync(self, tokens: list[int], *, need_logits: bool = False) -> int:
+    def sync(self, tokens: list[int], *, need_logits: bool = False, seq: int = 0) -> int:
         """Make the cache hold exactly `tokens`, reusing the longest common prefix; with
         need_logits the last token is evaluated even if cached. Returns how many were evaluated."""
-        keep = _common_prefix(self.tokens, tokens)
+        keep = _common_prefix(self._seq(seq).tokens, tokens)
         if need_logits:
             keep = min(keep, len(tokens) - 1)
-        self.trim(keep)
+        self.trim(keep, seq)
         if keep < len(tokens):
-            self.eval(tokens[keep:])
+            self.eval(tokens[keep:], seq=seq)
         return len(tokens) - keep
 
-    def prefill(self, prompt: list[int]) -> int:
+    def prefill(self, prompt: list[int], seq: int = 0) -> int:
         """Make the cache hold `prompt` with the logits of its last token ready."""
-        return self.sync(prompt, need_logits=True)
+        return self.sync(prompt, need_logits=True, seq=seq)
 
     @property
     def output_on_gpu(self) -> bool:

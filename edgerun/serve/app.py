@@ -1,0 +1,249 @@
+"""The HTTP side: an ASGI app (Starlette) with OpenAI's routes, streamed with sse-starlette.
+
+Starlette rather than FastAPI: FastAPI's own validation answers 422 in its own shape, and every
+route here must answer OpenAI's {"error": ...} with a 400, so validation is pydantic called
+directly (protocol.py). Nothing here touches llama.cpp: prompts are rendered and tokenized in a
+worker thread, generation runs on the engine thread (scheduler.py), and events come back through
+an asyncio queue, so the event loop never blocks on a decode."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from edgerun.decode import governor
+from edgerun.errors import EdgerunError
+from edgerun.serve.metrics import Metrics
+from edgerun.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
+from edgerun.serve.scheduler import Delta, Done, Failed, Job, Overloaded, Scheduler
+
+PUBLIC = {"/health"}  # answered without a key: a load balancer's probe
+
+
+@dataclass
+class ServerState:
+    """What the routes share. `scheduler` is None while the model loads."""
+
+    names: list[str]  # the model's names a request may use; the first is the one /v1/models lists
+    api_key: str | None = None
+    metrics: Metrics = field(default_factory=Metrics)
+    scheduler: Scheduler | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def create_app(state: ServerState, lifespan=None) -> Starlette:
+    async def health(_request):
+        return _health(state)
+
+    async def metrics(_request):
+        return Response(state.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    async def models(_request):
+        return _models(state)
+
+    async def chat(request):
+        return await _complete(state, request, chat=True)
+
+    async def completions(request):
+        return await _complete(state, request, chat=False)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, APIError: _api_error, Exception: _internal})
+    if state.api_key:
+        app.add_middleware(_KeyCheck, key=state.api_key)
+    return app
+
+
+class _KeyCheck:
+    """Every route but PUBLIC wants `Authorization: Bearer KEY` (compared in constant time)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in PUBLIC:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "a valid API key is needed: send Authorization: Bearer KEY",
+                                 code="invalid_api_key")
+                return await _api_error(None, error)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+async def _api_error(_request, exc: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _http_error(_request, exc: HTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return await _api_error(None, APIError(exc.status_code, str(exc.detail), type=kind))
+
+
+async def _internal(_request, exc: Exception) -> JSONResponse:
+    return await _api_error(None, APIError(500, f"internal error ({type(exc).__name__}: {exc})", type="server_error"))
+
+
+def _health(state: ServerState) -> JSONResponse:
+    if state.scheduler is None:
+        return JSONResponse({"status": "loading"}, status_code=503)
+    running, queued = state.scheduler.load
+    return JSONResponse({"status": "ok", "running": running, "queued": queued})
+
+
+def _models(state: ServerState) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [
+        {"id": state.names[0], "object": "model", "created": state.created, "owned_by": "edgerun"}]})
+
+
+async def _complete(state: ServerState, request: Request, *, chat: bool) -> Response:
+    scheduler = state.scheduler
+    if scheduler is None:
+        raise APIError(503, "the model is still loading; retry in a moment", type="server_error", code="loading")
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+    req = parse(ChatRequest if chat else CompletionRequest, body)
+    if req.model not in state.names:
+        raise APIError(400, f"model '{req.model}' is not served here; this server has '{state.names[0]}'"
+                       " (GET /v1/models)", param="model", code="model_not_found")
+    runner = scheduler.runner
+    try:
+        if chat:
+            messages = [m.for_template() for m in req.messages]
+            prompt = await anyio.to_thread.run_sync(runner.chat_tokens, messages)
+        else:
+            prompt = await anyio.to_thread.run_sync(runner.raw_tokens, req.prompt)
+    except EdgerunError as exc:
+        raise APIError(400, str(exc), code="invalid_prompt") from None
+    if not prompt:
+        raise APIError(400, "the prompt has no tokens; give some text", param="prompt", code="invalid_prompt")
+    limit = runner.ctx.n_ctx - 1 - governor.K_MAX  # generate() keeps room for one verify batch
+    if len(prompt) > limit:
+        raise APIError(400, f"the prompt has {len(prompt)} tokens and this server's context holds {runner.ctx.n_ctx}"
+                       f" per request (at most {limit} for the prompt); shorten it, or restart the server with a"
+                       " larger --ctx", param="messages" if chat else "prompt", code="context_length_exceeded")
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    job = Job(prompt, req.sampling(), req.limit or runner.ctx.n_ctx, req.stop,
+              sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+    try:
+        scheduler.submit(job)
+    except Overloaded as exc:
+        raise APIError(503, str(exc), type="server_error", code="server_overloaded") from None
+    reply = _Reply(req.model, chat)
+    if req.stream:
+        return EventSourceResponse(_stream(reply, job, events, req.include_usage), ping=15)
+    return JSONResponse(reply.whole(*await _collect(job, events, request)))
+
+
+async def _events(job: Job, events: asyncio.Queue) -> AsyncIterator[Delta | Done | Failed]:
+    """The job's events until its last; leaving early (a client gone, a task cancelled) cancels it."""
+    try:
+        while True:
+            event = await events.get()
+            yield event
+            if not isinstance(event, Delta):
+                return
+    finally:
+        job.cancel.set()  # a no-op once the job is done
+
+
+async def _collect(job: Job, events: asyncio.Queue, request: Request) -> tuple[str, Done]:
+    """A non-streamed reply; a client that hangs up meanwhile cancels it."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    parts: list[str] = []
+    try:
+        async for event in _events(job, events):
+            if watch.done():
+                raise APIError(499, "the client went away")
+            if isinstance(event, Delta):
+                parts.append(event.text)
+            elif isinstance(event, Failed):
+                raise APIError(500, event.message, type="server_error")
+            else:
+                return "".join(parts), event
+    finally:
+        watch.cancel()
+    raise APIError(500, "the reply ended without a result", type="server_error")
+
+
+async def _stream(reply: "_Reply", job: Job, events: asyncio.Queue, include_usage: bool) -> AsyncIterator[str]:
+    if reply.chat:
+        yield json.dumps(reply.chunk(role=True))
+    async for event in _events(job, events):
+        if isinstance(event, Delta):
+            yield json.dumps(reply.chunk(text=event.text))
+        elif isinstance(event, Failed):
+            yield json.dumps(APIError(500, event.message, type="server_error").body())
+            return
+        else:
+            yield json.dumps(reply.chunk(finish=event.finish))
+            if include_usage:
+                yield json.dumps(reply.usage_chunk(event))
+    yield "[DONE]"
+
+
+class _Reply:
+    """The response objects of one request, chat or text completion."""
+
+    def __init__(self, model: str, chat: bool):
+        self.model, self.chat = model, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _head(self, stream: bool) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind + (".chunk" if stream and self.chat else ""),
+                "created": self.created, "model": self.model}
+
+    @staticmethod
+    def _usage(done: Done) -> dict:
+        u = done.usage
+        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                "total_tokens": u.prompt_tokens + u.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+    def whole(self, text: str, done: Done) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": done.finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish}
+        return self._head(False) | {"choices": [choice], "usage": self._usage(done)}
+
+    def chunk(self, *, text: str = "", role: bool = False, finish: str | None = None) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if finish is None else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._head(True) | {"choices": [choice]}
+
+    def usage_chunk(self, done: Done) -> dict:
+        return self._head(True) | {"choices": [], "usage": self._usage(done)}

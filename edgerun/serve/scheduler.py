@@ -1,0 +1,299 @@
+"""The server's engine: one llama.cpp context shared by up to `parallel` sequences (slots),
+driven by one thread that never waits on the event loop.
+
+Each step decodes one batch: the next token of every running reply plus a chunk of at most one
+pending prompt (continuous batching with chunked prefill), so a long prompt costs the running
+streams a few chunk-sized steps, not its whole prefill. A reply alone on the server goes through
+the same decode loop as `edgerun run` (generate(), with the n-gram drafter or the draft model and
+the governor); when another request arrives it is handed over, between two rounds, to the batched
+steps, which decode plainly. A finished reply's slot keeps its KV as a prompt cache: a new request
+takes the idle slot whose cache shares the longest prefix with its prompt (else the least recently
+used one), or shares a running slot's cells when that prefix is longer."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from edgerun import _native
+from edgerun.decode import governor
+from edgerun.decode.generate import Prefill, Step, generate, native_errors, native_params, native_rng
+from edgerun.decode.speculative import Round
+from edgerun.errors import EdgerunError, EngineError
+from edgerun.runner import Runner
+from edgerun.runtime.engine import _common_prefix
+from edgerun.serve.metrics import Metrics
+from edgerun.serve.text import ReplyText
+from edgerun.settings import SamplerSettings
+
+log = logging.getLogger("edgerun.serve")
+
+COPY_GAIN = 32  # share a running slot's prefix only when it saves this many tokens over an idle cache
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the prompt cache
+
+
+@dataclass(frozen=True)
+class Done:
+    finish: str  # "stop", "length" or "cancelled"
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = Delta | Done | Failed
+
+
+class Overloaded(EdgerunError):
+    """The queue is full."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request, from submission to its last event. `sink` takes each event (from the engine
+    thread: it must be thread-safe); `cancel` set by the client side ends the reply at the next step."""
+
+    prompt: list[int]
+    sampling: SamplerSettings
+    max_tokens: int
+    stop: list[str]
+    sink: Callable[[Event], None]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    # the engine's side
+    seq: int = -1
+    last: int | None = None  # the newest pick, not yet in the KV: set once the prompt is in
+    tokens: list[int] = field(default_factory=list)
+    cached: int = 0
+    first_at: float | None = None
+    text: ReplyText | None = None
+    rng: _native.Rng | None = None
+    params: _native.SamplerParams | None = None
+
+
+class Scheduler:
+    def __init__(self, runner: Runner, metrics: Metrics, *, queue_limit: int, step_tokens: int, solo: bool = True):
+        self.runner, self.ctx, self.model, self.metrics = runner, runner.ctx, runner.model, metrics
+        self.parallel = self.ctx.n_seq
+        # replies alone keep the target's logits readable: a batched step may take over any round
+        self.spec = replace(runner.spec_config, device_greedy=False)
+        self.queue_limit, self.solo = queue_limit, solo
+        self.step_tokens = max(self.parallel + 1, min(step_tokens, self.ctx.n_batch))
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._active: list[Job] = []  # in admission order: the oldest pending prompt fills first
+        self._idle = dict.fromkeys(range(self.parallel), 0.0)  # free slot -> when it was last used
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="edgerun-engine", daemon=True)
+        metrics.kv_cells_total.set(self.ctx.n_cells)
+
+    # ----- the client side ------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._closing:
+                raise Overloaded("the server is shutting down")
+            if len(self._waiting) >= self.queue_limit:
+                raise Overloaded(f"{len(self._active)} requests are running and {len(self._waiting)} waiting"
+                                 " (the queue is full); retry later")
+            self._waiting.append(job)
+            self.metrics.queued.set(len(self._waiting))
+            self._cond.notify()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; replies still running end with an error."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def load(self) -> tuple[int, int]:
+        return len(self._active), len(self._waiting)
+
+    # ----- the engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._closing or self._waiting or self._active):
+                    self._cond.wait()
+                if self._closing:
+                    break
+                self._admit()
+            try:
+                self._end_cancelled()
+                if self.solo and len(self._active) == 1 and self._active[0].last is None and not self._waiting:
+                    self._alone(self._active[0])
+                elif self._active:
+                    self._step()
+            except EdgerunError as exc:
+                self._fail_all(str(exc))
+            except Exception as exc:  # a bug must not take the server down: end the replies, go on
+                log.exception("engine step failed")
+                self._fail_all(f"the engine failed ({type(exc).__name__}: {exc}); retry the request")
+            self._gauges()
+        with self._cond:
+            stranded = self._active + list(self._waiting)
+            self._active, self._waiting = [], collections.deque()
+        for job in stranded:
+            job.sink(Failed("the server shut down before the reply was done"))
+
+    def _admit(self) -> None:
+        while self._waiting and self._idle:
+            job = self._waiting.popleft()
+            if job.cancel.is_set():
+                continue
+            try:
+                self._place(job)
+            except Exception as exc:  # e.g. a trim llama.cpp refused: this request fails, the server goes on
+                log.exception("placing a request failed")
+                job.sink(Failed(f"the request could not start ({exc}); retry it"))
+                continue
+            self._active.append(job)
+        self.metrics.queued.set(len(self._waiting))
+
+    def _place(self, job: Job) -> None:
+        """Give the job a slot and the longest prefix of its prompt the KV already holds."""
+        ctx, prompt = self.ctx, job.prompt
+        best = max(self._idle, key=lambda s: (ctx.shared_prefix(prompt, s), -self._idle[s]))
+        reuse = ctx.shared_prefix(prompt, best)
+        shared, donor = max(((_common_prefix(ctx.held(j.seq), prompt), j.seq) for j in self._active), default=(0, -1))
+        if shared > reuse + COPY_GAIN:
+            seq = min(self._idle, key=self._idle.get)  # the least recently used cache makes room
+            reuse = min(shared, len(prompt) - 1)
+            ctx.copy_prefix(donor, seq, reuse)
+        else:
+            seq, reuse = best, min(reuse, len(prompt) - 1)
+            ctx.trim(reuse, seq)
+        room = ctx.n_ctx - len(prompt) - governor.K_MAX  # as generate() counts it
+        job.seq, job.cached = seq, reuse
+        job.text = ReplyText(self.model, job.stop, max(1, min(job.max_tokens, room)))
+        job.params, job.rng = native_params(job.sampling), native_rng(job.sampling.seed)
+        del self._idle[seq]
+
+    def _end_cancelled(self) -> None:
+        for job in [j for j in self._active if j.cancel.is_set()]:
+            self._finish(job, "cancelled")
+
+    def _alone(self, job: Job) -> None:
+        """The reply as `edgerun run` decodes it, until it ends or another request arrives."""
+        replies = generate(self.ctx, job.prompt, job.sampling, max_tokens=job.text.max_tokens, cancel=job.cancel,
+                           spec_config=self.spec, memory=self.runner.governors, seq=job.seq, rng=job.rng)
+        handed_over = False
+        try:
+            for item in replies:
+                if isinstance(item, Step):
+                    self._emit(job, item.token)
+                    if job.text.finish or job.cancel.is_set():
+                        break
+                elif isinstance(item, Round) and self._waiting:
+                    handed_over = True
+                    break
+                elif isinstance(item, Prefill):
+                    self.metrics.prompt_tokens.inc(item.evaluated)
+        finally:
+            replies.close()  # lands a decode the last round left in flight
+        if handed_over:
+            committed = job.prompt + job.tokens[:-1]
+            if self.ctx.held(job.seq) != committed:
+                raise EngineError(f"sequence {job.seq} holds {len(self.ctx.held(job.seq))} tokens, the reply"
+                                  f" {len(committed)}; retry the request")
+            job.last = job.tokens[-1]
+        else:
+            self._finish(job, None if job.text.finish else ("cancelled" if job.cancel.is_set() else "length"))
+
+    def _step(self) -> None:
+        """One batch: every running reply's newest token, and a chunk of the oldest pending prompt."""
+        rows, decoding = [], []
+        for job in self._active:
+            if job.last is not None:
+                rows.append((job.seq, [job.last], True))
+                decoding.append(job)
+        filling = next((j for j in self._active if j.last is None), None)
+        budget = self.step_tokens - len(rows)
+        final = False
+        if filling is not None and budget > 0:
+            rest = filling.prompt[len(self.ctx.held(filling.seq)):]
+            chunk = rest[:budget]
+            final = len(chunk) == len(rest)
+            rows.append((filling.seq, chunk, final))
+            self.metrics.prompt_tokens.inc(len(chunk))
+        try:
+            outputs = self.ctx.decode_rows(rows)
+        except EdgerunError:
+            for seq, _, _ in rows:
+                self.ctx.drop_unrecorded(seq)
+            raise
+        for job, i in zip(decoding, outputs):
+            self._pick(job, i)
+        if final:
+            self._pick(filling, outputs[-1])
+
+    def _pick(self, job: Job, output: int) -> None:
+        history = job.sampling.penalty_window(self.ctx.held(job.seq))
+        with native_errors("sampling a token"):
+            token = _native.sample_context(self.ctx.address, output, history, job.params, job.rng)
+        job.last = token
+        self._emit(job, token)
+        if job.text.finish:
+            self._finish(job)
+
+    def _emit(self, job: Job, token: int) -> None:
+        now = time.perf_counter()
+        if job.first_at is None:
+            job.first_at = now
+            self.metrics.ttft.observe(now - job.submitted)
+        job.tokens.append(token)
+        text = job.text.push(token)
+        if not self.model.is_eog(token):
+            self.metrics.generated_tokens.inc()
+        if text:
+            job.sink(Delta(text))
+
+    def _finish(self, job: Job, reason: str | None = None) -> None:
+        if reason is not None:
+            tail = job.text.end(reason)
+            if tail and reason != "cancelled":
+                job.sink(Delta(tail))
+        n = job.text.tokens
+        if job.first_at is not None and n > 1:
+            self.metrics.tpot.observe((time.perf_counter() - job.first_at) / (n - 1))
+        self.metrics.requests.labels(finish=job.text.finish).inc()
+        job.sink(Done(job.text.finish, Usage(len(job.prompt), n, job.cached)))
+        self._active.remove(job)
+        self._idle[job.seq] = time.monotonic()
+
+    def _fail_all(self, message: str) -> None:
+        for job in list(self._active):
+            self.ctx.drop_unrecorded(job.seq)
+            self.metrics.requests.labels(finish="error").inc()
+            job.sink(Failed(message))
+            self._active.remove(job)
+            self._idle[job.seq] = time.monotonic()
+
+    def _gauges(self) -> None:
+        self.metrics.running.set(len(self._active))
+        self.metrics.kv_cells_used.set(sum(len(self.ctx.held(s)) for s in range(self.parallel)))
+        self.metrics.kv_cells_running.set(sum(len(self.ctx.held(j.seq)) for j in self._active))
