@@ -1,15 +1,13 @@
 """The GPU scenarios' parts that run anywhere: the random-weight shape writer (a small shape, the
 real vocabulary), the `edgerun run` and llama-bench sides on it, and one-line refusals."""
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from edgerun.bench import gpu, shapes
 from edgerun.errors import ConfigError, EngineError
 from edgerun.models.gguf_check import inspect
+from testkit.cli import run_cli
 
 # k-quants need rows of 256: the smallest shape Q4_K_M takes, with the real 151,936-token vocabulary
 SMALL = shapes.Shape(n_embd=256, n_ff=512, n_layer=2, n_head=4, n_head_kv=2, tied=False)
@@ -32,7 +30,7 @@ def test_a_shape_is_a_q4_k_m_qwen2_of_its_dimensions(small_shape):
 
 @pytest.mark.slow
 def test_edgerun_run_decodes_a_shape_and_reports_its_prompt(small_shape):
-    stats = gpu.edgerun_run(small_shape, "--gpu-layers", "0", "--threads", "2", tokens=8)
+    stats = gpu.edgerun_run(small_shape, "--gpu-layers", "0", "--threads", "1", tokens=8)
     assert stats["generated_tokens"] >= 1 and stats["decode_tok_s"] > 0
     # the byte-level vocabulary has one merge that this prompt lacks: one token per byte (the
     # 83-token prompt of the decode figures)
@@ -68,9 +66,9 @@ def test_unknown_shapes_and_a_missing_llama_bench_are_refused():
     (["gpu-offload", "--cases", "7b-half,nope"], ["unknown offload case"]),
     (["gpu-decode", "--llama-bench", "/nonexistent/lb"], ["no llama-bench at /nonexistent/lb"]),
 ])
-def test_the_cli_refuses_in_one_line_before_writing_a_shape(tmp_path, argv, words):
-    proc = subprocess.run([sys.executable, "-m", "edgerun.cli", "bench", *argv, "--shapes-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, env=os.environ | {"EDGERUN_HOME": str(tmp_path)})
+def test_the_cli_refuses_in_one_line_before_writing_a_shape(tmp_path, argv, words, monkeypatch, capsys):
+    monkeypatch.setenv("EDGERUN_HOME", str(tmp_path))
+    proc = run_cli(capsys, "bench", *argv, "--shapes-dir", str(tmp_path))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     for word in words:
