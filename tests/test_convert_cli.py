@@ -1,5 +1,6 @@
-"""`edgerun convert` as a user runs it: one-line errors for bad arguments, and a whole conversion of
-a tiny random-weight model (the 0.5B's real tokenizer, two small layers) through every step."""
+"""`edgerun convert` as a user runs it: one-line errors for bad arguments (through cli.main), and a
+whole conversion of a tiny random-weight model (the 0.5B's real tokenizer, two small layers)
+through every step, in a real edgerun process."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+
+from testkit.cli import run_cli
 
 EDGERUN = [sys.executable, "-m", "edgerun.cli"]
 CODE = Path(__file__).parents[1] / "edgerun" / "data" / "calib" / "code.txt"
@@ -31,6 +34,12 @@ def one_line_error(proc, *needles) -> str:
     return lines[0]
 
 
+@pytest.fixture
+def cli(capsys):
+    """`edgerun ARGS` through cli.main (the argument checks need no process of their own)."""
+    return lambda *args: run_cli(capsys, *args)
+
+
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory) -> Path:
     """Any file that exists will do for the argument checks, which run before it is read."""
@@ -39,30 +48,30 @@ def gguf_file(tmp_path_factory) -> Path:
     return path
 
 
-def test_missing_src(tmp_path):
-    one_line_error(edgerun("convert", tmp_path / "nope", "-o", tmp_path / "o.gguf", "--quant", "Q4_K_M"),
+def test_missing_src(tmp_path, cli):
+    one_line_error(cli("convert", tmp_path / "nope", "-o", tmp_path / "o.gguf", "--quant", "Q4_K_M"),
                    "no such file or directory")
-    one_line_error(edgerun("convert", "-o", tmp_path / "o.gguf", "--quant", "Q4_K_M"), "name what to convert")
+    one_line_error(cli("convert", "-o", tmp_path / "o.gguf", "--quant", "Q4_K_M"), "name what to convert")
 
 
-def test_budget_flags(gguf_file, tmp_path):
+def test_budget_flags(gguf_file, tmp_path, cli):
     out = tmp_path / "o.gguf"
-    one_line_error(edgerun("convert", gguf_file, "-o", out, "--quant", "Q4_K_M", "--bpw", "3.5"), "exactly one budget")
-    one_line_error(edgerun("convert", gguf_file, "-o", out), "exactly one budget")
-    one_line_error(edgerun("convert", gguf_file, "-o", out, "--size", "big"), "--size 'big'")
-    one_line_error(edgerun("convert", gguf_file, "-o", out, "--size=-3GB"), "--size")
-    one_line_error(edgerun("convert", gguf_file, "-o", out, "--bpw", "three"), "--bpw")
-    one_line_error(edgerun("convert", gguf_file, "-o", out, "--quant", "Q9_X"), "Q9_X")
+    one_line_error(cli("convert", gguf_file, "-o", out, "--quant", "Q4_K_M", "--bpw", "3.5"), "exactly one budget")
+    one_line_error(cli("convert", gguf_file, "-o", out), "exactly one budget")
+    one_line_error(cli("convert", gguf_file, "-o", out, "--size", "big"), "--size 'big'")
+    one_line_error(cli("convert", gguf_file, "-o", out, "--size=-3GB"), "--size")
+    one_line_error(cli("convert", gguf_file, "-o", out, "--bpw", "three"), "--bpw")
+    one_line_error(cli("convert", gguf_file, "-o", out, "--quant", "Q9_X"), "Q9_X")
 
 
-def test_calib_and_paths(gguf_file, tmp_path):
+def test_calib_and_paths(gguf_file, tmp_path, cli):
     out = tmp_path / "o.gguf"
-    one_line_error(edgerun("convert", gguf_file, "-o", out, "--quant", "Q4_K_M", "--calib", "code,poetry"),
+    one_line_error(cli("convert", gguf_file, "-o", out, "--quant", "Q4_K_M", "--calib", "code,poetry"),
                    "unknown calibration set 'poetry'", "code, chat, prose")
-    one_line_error(edgerun("convert", gguf_file, "--quant", "Q4_K_M"), "-o OUT.gguf")
-    one_line_error(edgerun("convert", gguf_file, "-o", tmp_path / "no" / "o.gguf", "--quant", "Q4_K_M"),
+    one_line_error(cli("convert", gguf_file, "--quant", "Q4_K_M"), "-o OUT.gguf")
+    one_line_error(cli("convert", gguf_file, "-o", tmp_path / "no" / "o.gguf", "--quant", "Q4_K_M"),
                    "directory does not exist")
-    one_line_error(edgerun("convert", gguf_file, "-o", out, "--quant", "Q4_K_M", "--threads", "0"), "--threads")
+    one_line_error(cli("convert", gguf_file, "-o", out, "--quant", "Q4_K_M", "--threads", "0"), "--threads")
 
 
 # --- a whole conversion ---
