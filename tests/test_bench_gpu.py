@@ -49,8 +49,8 @@ def test_a_failed_run_is_one_engine_error_naming_the_file(tmp_path):
                     reason="llama-bench is built by EDGERUN_LLAMA_BENCH=1 scripts/setup.sh")
 def test_llama_bench_measures_a_shape(small_shape):
     binary = gpu._llama_bench_binary(None)
-    assert gpu.llama_bench(binary, small_shape, ngl=0, tokens=8, reps=1, threads=2) > 0
-    assert gpu.llama_bench(binary, small_shape, ngl=0, tokens=8, reps=1, depth=16, threads=2) > 0
+    assert gpu.llama_bench(binary, small_shape, ngl=0, tokens=8, reps=1, threads=1) > 0
+    assert gpu.llama_bench(binary, small_shape, ngl=0, tokens=8, reps=1, depth=16, threads=1) > 0
 
 
 def test_unknown_shapes_and_a_missing_llama_bench_are_refused():

@@ -20,6 +20,7 @@ from edgerun.decode.speculative import Round, SpecConfig
 from edgerun.errors import ConfigError, EngineError
 from edgerun.runtime.engine import Context, Model
 from edgerun.settings import EngineSettings, SamplerSettings
+from testkit.cli import run_cli
 
 EDGERUN = [sys.executable, "-m", "edgerun.cli"]
 SMALL = "qwen2.5-coder-0.5b"
@@ -87,17 +88,17 @@ def test_only_the_chat_flags_given_override_the_saved_settings():
     (["run", "hi", "--raw", "--system", "be brief"], "--system has no effect with --raw"),
     (["chat", "--plain", "--spec-k", "many"], "--spec-k must be auto or a number"),
 ])
-def test_flags_a_command_would_drop_are_refused(args, needle):
-    _one_line_error(edgerun(*args), needle)
+def test_flags_a_command_would_drop_are_refused(args, needle, capsys):
+    _one_line_error(run_cli(capsys, *args), needle)
 
 
 @pytest.mark.parametrize("flag,value", [
     ("--seed", "-1"), ("--seed", str(2**64)), ("--top-k", str(2**40)), ("--temp", "nan"),
     ("--top-p", "0"), ("--min-p", "2"), ("--repeat-penalty", "0"), ("--threads", "0"), ("--max-vram", "-1"),
 ])
-def test_values_the_native_side_cannot_take_are_refused_before_loading(flag, value):
+def test_values_the_native_side_cannot_take_are_refused_before_loading(flag, value, capsys):
     """`--seed -1` and `--top-k 2**40` were a pybind11 TypeError traceback after the model loaded."""
-    proc = edgerun("run", "hi", "-m", SMALL, flag, value)
+    proc = run_cli(capsys, "run", "hi", "-m", SMALL, flag, value)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"edgerun run: error: argument {flag}")
 
