@@ -108,7 +108,10 @@ def client(target: Target, concurrency: int):
     import httpx
     from openai import AsyncOpenAI
 
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    # a connection per request: a pooled one that the server closed after its last reply fails
+    # the next request without a response (llama-server's does, now and then); on 127.0.0.1 a
+    # new connection costs about a tenth of a millisecond
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
     return AsyncOpenAI(base_url=target.base_url, api_key=target.api_key, max_retries=0, timeout=TIMEOUT_S,
                        http_client=httpx.AsyncClient(limits=limits, timeout=TIMEOUT_S))
 
@@ -128,7 +131,8 @@ async def stream_one(api, target: Target, prompt: str, max_tokens: int) -> Outco
             if chunk.usage is not None:
                 out.tokens, out.prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
     except (openai.OpenAIError, OSError) as exc:
-        out.error = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        cause = f" ({type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else ""
+        out.error = ((str(exc).strip().splitlines() or [type(exc).__name__])[0] + cause)[:300]
     out.done = time.perf_counter()
     if out.error is None and not out.tokens:
         out.tokens = len(out.chunks)  # a server that sends no usage
