@@ -60,7 +60,7 @@ def _start(name: str, args, model: Path, threads: int, parallel: int, logdir: Pa
 
     log = logdir / f"{name.replace(' ', '-')}.log"
     if name == OURS:
-        return servers.start_edgerun(model, threads, args.ctx * parallel, parallel, log, [])
+        return servers.start_edgerun(model, threads, args.ctx, parallel, log, [])
     return servers.start_llama_server(binary, model, threads, args.ctx, parallel, log)
 
 
@@ -89,7 +89,7 @@ def _edgerun_run(model: Path, prompt: str, n: int, threads: int, ctx: int) -> fl
         out = Path(tmp) / "stats.json"
         proc = subprocess.run([sys.executable, "-m", "edgerun.cli", "run", prompt, "-m", str(model), "-n", str(n),
                                "--temp", "0", "--threads", str(threads), "--gpu-layers", "0", "--ctx", str(ctx),
-                               "--draft", "none", "--stats-json", str(out)], capture_output=True, text=True)
+                               "--stats-json", str(out)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise EdgerunError(f"edgerun run failed (exit {proc.returncode}): {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
         return json.loads(out.read_text())["decode_tok_s"]
