@@ -6,8 +6,9 @@ the same file and split, and speculation with the real pair at two placements.
     edgerun bench gpu-spec    [--target T --draft D]    plain vs speculative, GPU and CPU+GPU
 
 Every edgerun figure is a user's: an `edgerun run` process (`--stats-json`), so load, warm-up
-and the CLI's own path are what is measured. llama-bench is the one setup.sh builds in the same
-tree (`EDGERUN_LLAMA_BENCH=1 scripts/setup.sh`), so both sides run the same ggml objects. Decode
+and the CLI's own path are what is measured. llama-bench is the one setup.sh builds from the same
+llama.cpp source with the same flags (`EDGERUN_LLAMA_BENCH=1 scripts/setup.sh`), so both sides
+run the same ggml kernels. Decode
 and offload use random-weight shapes (bench/shapes.py: speed never depends on weight values);
 speculation needs the real models (acceptance does).
 
