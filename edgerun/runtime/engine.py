@@ -176,7 +176,7 @@ class Context:
             params.cb_eval_user_data = ctypes.c_void_p(eval_callback[1])
         params.n_ctx = settings.n_ctx * settings.n_seq
         params.n_seq_max = settings.n_seq
-        params.kv_unified = settings.n_seq > 1
+        params.kv_unified = settings.n_seq > 1  # one cache the sequences share: a batch of several is one split
         params.n_batch = settings.n_batch
         params.n_ubatch = min(settings.n_ubatch, settings.n_batch)
         params.n_threads = settings.n_threads
@@ -290,8 +290,9 @@ class Context:
         self.land(src)
         self.trim(0, dst)
         if n:
-            llama_cpp.llama_memory_seq_cp(self.mem, src, dst, 0, n)
-            self._seq(dst).tokens.extend(self._seq(src).tokens[:n])
+            llama_cpp.llama_memory_seq_cp(self.mem, src, dst, -1, -1)  # across streams: whole ones only
+            self._seq(dst).tokens.extend(self._seq(src).tokens)
+            self.trim(n, dst)
 
     def commit(self, seq: int, write) -> None:
         """Record what a native round left in this KV (a _native.KvWrite): the tokens it kept

@@ -41,6 +41,7 @@ class ServerState:
     api_key: str | None = None
     metrics: Metrics = field(default_factory=Metrics)
     scheduler: Scheduler | None = None
+    drain_s: float = 10.0  # how long a shutdown lets running streams finish
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -86,7 +87,8 @@ class _KeyCheck:
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(401, "a valid API key is needed: send Authorization: Bearer KEY",
                                  code="invalid_api_key")
-                return await _api_error(None, error)(scope, receive, send)
+                response = await _api_error(None, error)
+                return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -154,7 +156,8 @@ async def _complete(state: ServerState, request: Request, *, chat: bool) -> Resp
         raise APIError(503, str(exc), type="server_error", code="server_overloaded") from None
     reply = _Reply(req.model, chat)
     if req.stream:
-        return EventSourceResponse(_stream(reply, job, events, req.include_usage), ping=15)
+        return EventSourceResponse(_stream(reply, job, events, req.include_usage), ping=15,
+                                   shutdown_grace_period=state.drain_s)  # a shutdown drains
     return JSONResponse(reply.whole(*await _collect(job, events, request)))
 
 

@@ -63,7 +63,7 @@ def serve(args, load_runner) -> int:
         raise ConfigError(f"--parallel {args.parallel} needs --n-batch above it (a step decodes one token of each)")
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    state = ServerState(names=[args.model or _default_model()], api_key=key)
+    state = ServerState(names=[args.model or _default_model()], api_key=key, drain_s=args.drain_timeout)
     outcome = {"code": 0}
     server: uvicorn.Server | None = None
 

@@ -1,0 +1,74 @@
+"""A real `edgerun serve` process for tests and benchmarks: started on a free 127.0.0.1 port,
+waited for until it prints its ready line, stopped (SIGINT, then a kill) when the block ends."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+READY = re.compile(r"edgerun serve: ready at (http://\S+/v1)")
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str  # ends in /v1
+    stderr: list[str] = field(default_factory=list)
+
+    @property
+    def root(self) -> str:
+        return self.url.removesuffix("/v1")
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start(model, *flags: str, env: dict | None = None, timeout: float = 120.0) -> Server:
+    """`edgerun serve -m MODEL --port 0 FLAGS...`; raises RuntimeError with its stderr if it exits
+    or does not get ready within `timeout` seconds."""
+    cmd = [sys.executable, "-m", "edgerun.cli", "serve", "-m", str(model), "--port", "0", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=os.environ | (env or {}))
+    err: list[str] = []
+    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
+    found: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            if (m := READY.search(line)) and not found:
+                found.append(m.group(1))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while not found and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not found:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"edgerun serve did not get ready: {''.join(err)[-2000:]}")
+    return Server(proc, found[0], err)
+
+
+@contextlib.contextmanager
+def running(model, *flags: str, env: dict | None = None) -> Iterator[Server]:
+    server = start(model, *flags, env=env)
+    try:
+        yield server
+    finally:
+        server.stop()

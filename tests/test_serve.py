@@ -1,0 +1,241 @@
+"""`edgerun serve` as a client sees it: the real server on a free 127.0.0.1 port, the tiny model
+the session writes, driven with the official `openai` client and raw HTTP (httpx)."""
+
+import asyncio
+import json
+import signal
+
+import httpx
+import openai
+import psutil
+import pytest
+from openai import OpenAI
+
+from testkit import serve
+
+PARALLEL = 4
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    with serve.running(tiny_model, "--parallel", str(PARALLEL), "--ctx", "1024", "--threads", "2") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def model_name(client: OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def chat(client, content="hello there", **kw):
+    return client.chat.completions.create(model=model_name(client), messages=[{"role": "user", "content": content}],
+                                          **{"temperature": 0, "max_tokens": 24} | kw)
+
+
+def test_health_and_models(server, client, tiny_model):
+    assert httpx.get(server.root + "/health").json()["status"] == "ok"
+    names = [m.id for m in client.models.list().data]
+    assert names == [str(tiny_model)]
+
+
+def test_stream_deltas_concatenate_to_the_whole_reply(client):
+    whole = chat(client)
+    assert whole.choices[0].finish_reason in ("stop", "length") and whole.choices[0].message.content
+    chunks = list(chat(client, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_usage_counts_the_prompt_the_template_makes(client, server, tiny_model):
+    from edgerun.runner import chat_tokens
+    from edgerun.runtime.engine import Model
+
+    reply = chat(client, "count me", max_tokens=5)
+    with Model(tiny_model, vocab_only=True) as model:
+        prompt = chat_tokens(model, [{"role": "user", "content": "count me"}])
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert reply.usage.completion_tokens <= 5
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    if reply.choices[0].finish_reason == "length":
+        assert reply.usage.completion_tokens == 5
+
+
+def test_max_tokens_ends_in_length(client):
+    for field in ("max_tokens", "max_completion_tokens"):
+        reply = chat(client, "go on and on", **{"max_tokens": None, field: 3})
+        assert reply.usage.completion_tokens <= 3
+
+
+def test_a_stop_string_ends_the_reply_before_it(client):
+    free = chat(client, "stop test", max_tokens=40).choices[0].message.content
+    assert len(free) > 6
+    stop = free[3:6]
+    reply = chat(client, "stop test", max_tokens=40, stop=[stop, "\x00never"])
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.content == free[: free.index(stop)]
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(client, "stop test", max_tokens=40,
+                                                                       stop=stop, stream=True) if c.choices)
+    assert streamed == free[: free.index(stop)]
+
+
+def test_the_same_seed_gives_the_same_reply(client):
+    a = chat(client, "random words", temperature=1.0, seed=1234, max_tokens=20).choices[0].message.content
+    b = chat(client, "random words", temperature=1.0, seed=1234, max_tokens=20).choices[0].message.content
+    c = chat(client, "random words", temperature=1.0, seed=99, max_tokens=20).choices[0].message.content
+    assert a == b and a != c
+
+
+def test_text_completions(client):
+    name = model_name(client)
+    whole = client.completions.create(model=name, prompt="abc", max_tokens=10, temperature=0)
+    assert whole.object == "text_completion" and whole.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=name, prompt="abc", max_tokens=10, temperature=0, stream=True))
+    assert streamed == whole.choices[0].text
+
+
+def test_text_parts_are_joined(client):
+    parts = [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]
+    assert chat(client, parts).choices[0].message.content == chat(client, "hello there").choices[0].message.content
+
+
+BAD = [
+    (b"{not json", 400, "invalid_json"),
+    (b"[1, 2]", 400, None),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, None),  # no model
+    (json.dumps({"model": "MODEL", "messages": []}).encode(), 400, None),
+    (json.dumps({"model": "MODEL", "messages": [{"role": "robot", "content": "x"}]}).encode(), 400, None),
+    (json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(), 400, None),
+    (json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "temperature": 9}).encode(), 400, None),
+    (json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "top_p": 0}).encode(), 400, None),
+    (json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), 400, None),
+    (json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "seed": -1}).encode(), 400, None),
+    (json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "n": 3}).encode(), 400, None),
+    (json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 9}).encode(), 400, None),
+    (json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}).encode(), 400, "model_not_found"),
+    (json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": "x " * 3000}]}).encode(), 400,
+     "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("body,status,code", BAD, ids=range(len(BAD)))
+def test_bad_requests_get_an_openai_shaped_error(server, client, body, status, code):
+    body = body.replace(b"MODEL", model_name(client).encode())
+    reply = httpx.post(server.url + "/chat/completions", content=body, timeout=60)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert error["message"] and "\n" not in error["message"] and error["type"] == "invalid_request_error"
+    if code:
+        assert error["code"] == code
+    assert chat(client, max_tokens=2).choices  # and the server goes on
+
+
+def test_the_openai_client_sees_a_bad_request_error(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, temperature=7)
+    assert "temperature" in str(caught.value)
+
+
+def metric(server, name: str) -> float:
+    for line in httpx.get(server.root + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_metrics_count_what_was_served(server, client):
+    before = metric(server, "edgerun_generated_tokens_total")
+    reply = chat(client, "metrics", max_tokens=6)
+    assert metric(server, "edgerun_generated_tokens_total") - before == reply.usage.completion_tokens
+    assert metric(server, "edgerun_requests_running") == 0
+    assert metric(server, "edgerun_kv_cells") >= PARALLEL * 1024
+    text = httpx.get(server.root + "/metrics").text
+    assert "edgerun_time_to_first_token_seconds_bucket" in text and "edgerun_time_per_output_token_seconds_count" in text
+
+
+def test_concurrent_requests_all_finish(client):
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key="unused", max_retries=0, timeout=120)
+        name = model_name(client)
+        replies = await asyncio.gather(*[aclient.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": f"request {i}"}], max_tokens=16, temperature=0)
+            for i in range(3 * PARALLEL)])
+        await aclient.close()
+        return replies
+    replies = asyncio.run(main())
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in replies)
+    assert all(0 < r.usage.completion_tokens <= 16 for r in replies)
+
+
+def test_clients_that_hang_up_mid_stream_free_their_slots(server, client):
+    """200 requests, most dropped after their first tokens: afterwards nothing runs, the KV held
+    by running requests is back to zero, the server answers, and its memory stayed bounded."""
+    name = model_name(client)
+    proc = psutil.Process(server.proc.pid)
+    rss_before = proc.memory_info().rss
+
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        body = {"model": name, "messages": [{"role": "user", "content": f"drop {i}"}], "max_tokens": 200,
+                "temperature": 0.8, "stream": True}
+        async with http.stream("POST", server.url + "/chat/completions", json=body) as reply:
+            async for line in reply.aiter_lines():
+                if line.startswith("data:") and i % 5:
+                    return  # hang up after the first event
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as http:
+            for start in range(0, 200, 20):
+                await asyncio.gather(*[one(http, i) for i in range(start, start + 20)])
+    asyncio.run(main())
+    for _ in range(100):  # the engine notices a hang-up at its next step
+        if metric(server, "edgerun_requests_running") == 0:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert metric(server, "edgerun_requests_running") == 0
+    assert metric(server, "edgerun_kv_cells_running") == 0
+    assert metric(server, "edgerun_kv_cells_used") <= PARALLEL * 1024
+    assert chat(client, max_tokens=3).choices
+    assert proc.memory_info().rss - rss_before < 200 << 20
+
+
+def test_a_key_is_required_when_given(tiny_model):
+    with serve.running(tiny_model, "--api-key", "sesame", "--ctx", "512") as s:
+        assert httpx.get(s.root + "/health").status_code == 200  # a probe needs no key
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            reply = httpx.get(s.url + "/models", headers=headers)
+            assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            OpenAI(base_url=s.url, api_key="wrong", max_retries=0).models.list()
+        assert OpenAI(base_url=s.url, api_key="sesame").models.list().data
+
+
+def test_another_address_needs_a_key(tiny_model):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "edgerun.cli", "serve", "-m", str(tiny_model), "--host", "0.0.0.0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--api-key" in proc.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_drains_the_running_reply_and_exits_0(tiny_model, sig):
+    s = serve.start(tiny_model, "--ctx", "512")
+    try:
+        c = OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=60)
+        stream = c.chat.completions.create(model=model_name(c), messages=[{"role": "user", "content": "go"}],
+                                           max_tokens=60, temperature=0, stream=True)
+        first = next(iter(stream))
+        s.proc.send_signal(sig)
+        rest = [chunk for chunk in stream]
+        assert first and rest[-1].choices[0].finish_reason in ("stop", "length")  # drained, not cut
+        assert s.proc.wait(60) == 0
+    finally:
+        s.stop()
