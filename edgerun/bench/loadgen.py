@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -203,7 +204,8 @@ def _records(start: int, lines: int) -> str:
 
 def long_prompts(target: Target, tokens: int, n: int) -> list[str]:
     """n prompts of about `tokens` tokens each, by the server's own count (usage.prompt_tokens of
-    two calibration requests), each with a different start so no prefix cache serves one."""
+    two calibration requests), each starting with a nonce of its own, so no prompt cache (of this
+    run's other prompts, of an earlier turn) serves one."""
     async def prompt_tokens(text: str) -> int:
         async with client(target, 1) as api:
             reply = await api.chat.completions.create(model=target.model, max_tokens=1, temperature=0.0,
@@ -223,7 +225,7 @@ def long_prompts(target: Target, tokens: int, n: int) -> list[str]:
 
 
 def _header(k: int, n: int) -> str:
-    return f"Document {k} of {n}.\n"
+    return f"Document {secrets.token_hex(4)}, {k} of {n}.\n"
 
 
 async def _long_run(target: Target, prompts: list[str], streams: int, longs: list[str], max_tokens: int) -> dict:
