@@ -194,11 +194,10 @@ def test_the_serve_scenario_on_llama_server_alone_stops_it(tiny_model, tmp_path)
     assert not {p.pid for p in _servers_of(tiny_model)} - before, "the scenario's llama-server is still running"
 
 
+@needs_llama_server
 def test_a_server_that_cannot_start_is_one_error_naming_its_last_line(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
-    if not os.access(LLAMA_SERVER, os.X_OK):
-        pytest.skip("llama-server is built by EDGERUN_LLAMA_BENCH=1 scripts/setup.sh")
     with pytest.raises(EdgerunError, match="llama-server exited"):
         servers.start_llama_server(str(LLAMA_SERVER), bad, threads=1, ctx=256, parallel=1, log=tmp_path / "log")
     assert not _servers_of(bad)
@@ -209,3 +208,22 @@ def test_a_server_that_cannot_start_is_one_error_naming_its_last_line(tmp_path):
 def test_llama_batched_bench_gives_a_rate_per_batch_size(tiny_model):
     got = servers.llama_batched_bench(str(BATCHED_BENCH), tiny_model, threads=2, batches=[1, 2], prompt=16, gen=8)
     assert sorted(got) == [1, 2] and all(v > 0 for v in got.values())
+
+
+@needs_llama_server
+def test_the_serve_scenario_measures_both_servers_and_stops_them(tiny_model, tmp_path):
+    out = tmp_path / "serve.json"
+    before = {p.pid for p in _servers_of(tiny_model)}
+    proc = _bench("serve", "-m", str(tiny_model), "--concurrency", "1,2", "--requests", "2", "-n", "8", "--repeat",
+                  "2", "--threads", "2", "--ctx", "1024", "--long-prompts", "200", "--long-streams", "1",
+                  "--long-count", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert sorted(doc["servers"]) == ["edgerun serve", "llama-server"]
+    for figures in doc["servers"].values():
+        assert sorted(figures["turns"]) == ["1", "2", "long"] and all(len(t) == 2 for t in figures["turns"].values())
+        assert all(lv["errors"] == 0 and lv["ok"] == 2 for lv in figures["levels"])
+    assert len(doc["edgerun_run"]["edgerun run"]) == 2
+    # every claim but llama-batched-bench's (not asked for) has a figure from paired turns
+    assert len(doc["claims"]) == 4 and all(c["median"] is not None for c in doc["claims"])
+    assert not {p.pid for p in _servers_of(tiny_model)} - before, "a server of the scenario is still running"

@@ -142,9 +142,16 @@ def llama_batched_bench(binary: str, model: Path, threads: int, batches: list[in
     cmd = [binary, "-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-b", "2048",
            "-ub", "512", "-npp", str(prompt), "-ntg", str(gen), "-npl", ",".join(map(str, batches)),
            "--output-format", "jsonl"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise EdgerunError(f"llama-batched-bench failed (exit {proc.returncode}): {last}")
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {int(r["pl"]): float(r["speed_tg"]) for r in rows}
+    # its rows go through llama.cpp's asynchronous log, which can drop the last lines at exit:
+    # a run that lost a batch size's row is run again (at most three times)
+    for _ in range(3):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise EdgerunError(f"llama-batched-bench failed (exit {proc.returncode}): {last}")
+        rows = [json.loads(line) for line in (proc.stdout + proc.stderr).splitlines()
+                if line.startswith("{") and '"speed_tg"' in line]
+        got = {int(r["pl"]): float(r["speed_tg"]) for r in rows}
+        if set(batches) <= set(got):
+            return got
+    raise EdgerunError(f"llama-batched-bench printed no result for batch sizes {sorted(set(batches) - set(got))}")
