@@ -97,7 +97,7 @@ class Model:
 
 
 class Batch:
-    """Owns a llama_batch sized for n_batch tokens of one sequence."""
+    """Owns a llama_batch of n_batch tokens, each of one sequence (several sequences may share it)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -126,18 +126,11 @@ class Batch:
         return last
 
     def fill(self, tokens: list[int], start_pos: int, *, seq: int = 0, all_logits: bool = False) -> None:
-        b = self.raw
-        n = len(tokens)
-        if n > self.capacity:
-            raise ValueError(f"batch of {n} tokens exceeds capacity {self.capacity}")
-        b.n_tokens = n
-        for i, tok in enumerate(tokens):
-            b.token[i] = tok
-            b.pos[i] = start_pos + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = seq
-            b.logits[i] = all_logits
-        b.logits[n - 1] = True
+        """One sequence's tokens from start_pos on; logits for the last (for every one with all_logits)."""
+        self.fill_rows([(seq, tokens, start_pos, True)])
+        if all_logits:
+            for i in range(len(tokens)):
+                self.raw.logits[i] = True
 
     def close(self) -> None:
         if not self._closed:

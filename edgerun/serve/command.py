@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import sys
-from pathlib import Path
 
 from edgerun.errors import ConfigError, EdgerunError
 
