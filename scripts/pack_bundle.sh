@@ -14,8 +14,9 @@
 # Profiles: full (default) is every dependency with the dev and convert extras (pytest, torch:
 # pip's configured index decides which torch build; EDGERUN_TORCH_INDEX adds one, e.g.
 # https://download.pytorch.org/whl/cpu for the 200 MB CPU build instead of the CUDA one) and the
-# build tools (scikit-build-core, pybind11, cmake, ninja). lean is the runtime dependencies and
-# the build tools only, for running and benchmarking (no tests, no convert).
+# build tools (scikit-build-core, pybind11, cmake, ninja). lean is the runtime dependencies, the
+# server and the load generator, and the build tools, for running, serving and benchmarking (no
+# tests, no convert).
 # --have FILE leaves out distributions the target already has (`pip list --format=freeze` there,
 # or one name a line): a GPU host's image with numpy, matplotlib and cmake then takes about
 # 10 MB of wheels. Random-weight shapes for the GPU scenarios are not packed: they are written
@@ -44,7 +45,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ -n "$out" ] || usage
-case "$profile" in full) extras=dev,convert,serve ;; lean) extras=serve ;; *) die "--profile is full or lean, not '$profile'" ;; esac
+case "$profile" in full) extras=dev,convert,serve,bench ;; lean) extras=serve,bench ;; *) die "--profile is full or lean, not '$profile'" ;; esac
 [ -z "$have" ] || [ -f "$have" ] || die "--have $have: no such file"
 pin() { sed -n "s/^$1=\([^ ]*\).*/\1/p" "$root/scripts/setup.sh"; }
 llama_version=$(pin LLAMA_CPP_VERSION)

@@ -15,7 +15,7 @@
 # llama-batched-bench (scripts/build_llama_tools.sh: the same source and backend flags, a tree of
 # their own in build/llama-tools, linked in build/bin), the reference sides of `edgerun bench`'s
 # GPU and serve scenarios; EDGERUN_CUDA_ARCH (default: native); EDGERUN_EXTRAS (default
-# dev,convert,serve; a bundle's own profile offline) picks the optional dependencies;
+# dev,convert,serve,bench; a bundle's own profile offline) picks the optional dependencies;
 # EDGERUN_SKIP_MODELS=1 skips the model download.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -33,7 +33,7 @@ while [ $# -gt 0 ]; do
     *) die "unknown argument '$1' (scripts/setup.sh [--bundle DIR])" ;;
   esac
 done
-extras=${EDGERUN_EXTRAS:-dev,convert,serve}
+extras=${EDGERUN_EXTRAS:-dev,convert,serve,bench}
 if [ -n "$bundle" ]; then
   # Offline: every pip call takes the bundle's wheels and nothing else, the hub is never asked.
   [ -f "$bundle/bundle.env" ] || die "$bundle is not a bundle (no bundle.env; see scripts/pack_bundle.sh)"
