@@ -10,7 +10,9 @@ from collections.abc import Iterator
 from edgerun.decode.generate import Prefill, Step
 from edgerun.decode.speculative import Round
 from edgerun.decode.stats import ReplyStats
+from edgerun.errors import EngineError
 from edgerun.history import History
+from edgerun.resume import Resumed, StateCache
 from edgerun.runner import Runner
 from edgerun.settings import SamplerSettings
 
@@ -18,13 +20,17 @@ FLUSH_EVERY_S = 0.2  # how often streamed text reaches the database (a kill lose
 
 
 class ChatSession:
-    """Messages of one conversation plus the runner that answers them."""
+    """Messages of one conversation plus the runner that answers them. With `states`, the
+    conversation's KV state is saved after each reply and restored before the next one when the
+    context does not hold it (a conversation reopened, or edgerun started again)."""
 
     def __init__(self, runner: Runner, history: History, *, model_name: str, system: str | None = None,
-                 conversation_id: int | None = None):
-        self.runner, self.history = runner, history
+                 conversation_id: int | None = None, states: StateCache | None = None):
+        self.runner, self.history, self.states = runner, history, states
         self.model_name, self.system = model_name, system
         self.conversation_id = conversation_id
+        self.resumed: Resumed | None = None  # what the last reply's start restored (set before its first record)
+        self.save_problem: str | None = None  # why the last reply's state was not saved
         self.messages: list[dict] = []
         if conversation_id is not None:
             self.messages = [{"role": m.role, "content": m.content} for m in history.messages(conversation_id)]
@@ -50,6 +56,8 @@ class ChatSession:
         status = "interrupted"
         try:
             tokens = self.runner.chat_tokens(self._prompt())
+            if self.states is not None:
+                self.resumed = self.states.resume(tokens, self.history.kv_states(self.conversation_id))
             for record in self.runner.stream(tokens, sampling, max_tokens=max_tokens, cancel=cancel):
                 stats.add(record)
                 if isinstance(record, Step) and record.text:
@@ -64,11 +72,28 @@ class ChatSession:
         finally:
             if unsaved:
                 self.history.append_reply(msg_id, "".join(unsaved))
-            self.history.finish_reply(msg_id, status, stats.as_json())
+            resumed = {"resumed": self.resumed.as_json()} if self.resumed and self.states else {}
+            self.history.finish_reply(msg_id, status, stats.as_json() | resumed)
             self.messages.append({"role": "assistant", "content": "".join(parts)})
+        if self.states is not None:  # not after an error: the context's state is in doubt then
+            self.save_state()
+
+    def save_state(self) -> None:
+        """Save what the context holds as this conversation's state; the states it replaces
+        (the same conversation, fewer tokens) are removed. A state that cannot be written (a
+        full disk) costs only the next resume's speed: `save_problem` says so."""
+        self.save_problem = None
+        try:
+            saved = self.states.save()
+        except (OSError, EngineError) as e:
+            self.save_problem = f"the conversation's KV state was not saved ({e}); reopening it will prefill"
+            return
+        for name in self.history.record_kv_states(self.conversation_id, saved) if saved else ():
+            self.states.store.remove(self.states.store.path(name))
 
     def reset(self) -> None:
         """Start a new conversation (the old one stays in the history)."""
         self.conversation_id = None
         self.messages = []
+        self.resumed = None
 

@@ -89,6 +89,11 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=defaults.DEFAULT_SYSTEM_PROMPT, help="system prompt")
 
 
+def _add_kv_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-kv-cache", action="store_true",
+                   help="neither restore nor save KV states (see `edgerun cache`)")
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -143,12 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.add_argument("--raw", action="store_true", help="skip the chat template")
     p.add_argument("--stats-json", type=Path, default=None, help="write the reply's stats as JSON here")
+    _add_kv_cache_arg(p)
 
     p = sub.add_parser("chat", help="chat with a model (flags given win over the app's saved settings, for this run)")
     _add_model_args(p, positional=True)
     _add_sampling_args(p)
     p.add_argument("--no-ngram", dest="ngram", action="store_false", help="no prompt-lookup drafting this run")
     p.add_argument("--plain", action="store_true", help="a plain streaming REPL instead of the app")
+    _add_kv_cache_arg(p)
     p.set_defaults(**dict.fromkeys(CHAT_OVERRIDES, None))  # None: not given (the saved setting holds)
 
     p = sub.add_parser("bench", help="A/B benchmark of two configurations, or a claim's scenario (edgerun bench -h)",
@@ -168,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default", action="store_true", help="the default target and its draft")
 
     sub.add_parser("list", help="catalog and local models")
+
+    p = sub.add_parser("cache", help="the saved KV states that resume conversations and prompts: list, clear, rm",
+                       description="Saved KV states let a conversation (or a run with the same long prompt)"
+                       " resume without evaluating its prefix again. The directory is kept under"
+                       " kv_cache_gib (settings.toml), least recently used removed first.")
+    p.add_argument("action", nargs="?", choices=("list", "clear", "rm"), default="list",
+                   help="list (default), clear (remove all), rm NAME... (remove some)")
+    p.add_argument("names", nargs="*", metavar="NAME", help="for rm: names from `edgerun cache`")
 
     p = sub.add_parser("rm", help="delete a downloaded model")
     p.add_argument("model")

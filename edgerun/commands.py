@@ -14,7 +14,7 @@ from pathlib import Path
 from edgerun import settings as defaults
 from edgerun.decode.generate import Step
 from edgerun.decode.stats import ReplyStats
-from edgerun.errors import ConfigError
+from edgerun.errors import ConfigError, EngineError
 from edgerun.models import catalog, fetch
 from edgerun.models.gguf_check import inspect
 
@@ -94,6 +94,8 @@ def cmd_run(args) -> int:
         else:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             tokens = runner.chat_tokens(messages + [{"role": "user", "content": prompt}])
+        states = _state_cache(args, runner)
+        resumed = _resume(states, tokens)
         stats = ReplyStats()
         cancel = threading.Event()
         with _sigint_sets(cancel):
@@ -101,10 +103,51 @@ def cmd_run(args) -> int:
                                                  max_tokens=args.max_tokens, cancel=cancel), stats)
         sys.stdout.write("\n")
         sys.stdout.flush()
-    _err(f"[{stats.line()}]")
+        # the prompt's state, for a later run that starts the same way (a long --system or file);
+        # not when it was mostly restored: the state it came from serves that run as well
+        if states is not None and stats.prompt_evaluated >= states.min_tokens:
+            _save(states, upto=len(tokens))
+    _err(f"[{_stats_line(stats, resumed)}]")
     if args.stats_json:
-        _write_json(args.stats_json, stats.as_json() | {"draft": runner.draft_spec or "none"})
+        _write_json(args.stats_json, stats.as_json() | {"draft": runner.draft_spec or "none",
+                                                        "resumed": resumed.as_json()})
     return 130 if stats.finish == "cancelled" else 0
+
+
+def _state_cache(args, runner):
+    """The saved KV states for this runner, or None (--no-kv-cache, or a cap of 0 GiB)."""
+    from edgerun import user_settings
+    from edgerun.resume import StateCache
+    from edgerun.runtime.kvstate import KvStore
+
+    cap = user_settings.load()[0].kv_cache_bytes
+    if args.no_kv_cache or cap <= 0:
+        return None
+    return StateCache(runner, KvStore(max_bytes=cap), min_tokens=defaults.KV_CACHE_MIN_TOKENS)
+
+
+def _resume(states, tokens: list[int], saved=None):
+    from edgerun.resume import Resumed
+
+    if states is None:
+        return Resumed()
+    resumed = states.resume(tokens, saved)
+    if resumed.note:
+        _err(f"edgerun: note: {resumed.note}")
+    return resumed
+
+
+def _save(states, *, upto: int | None = None) -> list:
+    """Save the runner's KV state; a failure (a full disk) is a note, never a lost reply."""
+    try:
+        return states.save(upto=upto)
+    except (OSError, EngineError) as e:
+        _err(f"edgerun: note: the KV state was not saved ({e}); a later run will prefill")
+        return []
+
+
+def _stats_line(stats: ReplyStats, resumed) -> str:
+    return stats.line() + (f"; {resumed.line()}" if resumed.line() else "")
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -124,7 +167,7 @@ def cmd_chat(args) -> int:
         return _plain_chat(argparse.Namespace(**(vars(args) | unset)))
     from edgerun.tui.app import EdgerunApp
 
-    app = EdgerunApp(args.model, engine=engine, overrides=overrides)
+    app = EdgerunApp(args.model, engine=engine, overrides=overrides, kv_cache=not args.no_kv_cache)
     app.run()
     return app.return_code or 0  # non-zero when the app ended on an error (e.g. an unusable history)
 
@@ -152,6 +195,7 @@ def _chat_overrides(args):
 def _plain_chat(args) -> int:
     sampling = _sampler_settings(args)
     with _open_runner(args) as runner:
+        states, saved = _state_cache(args, runner), []
         _err(f"edgerun chat: {runner.info.name} ({runner.plan.reason}). Ctrl-C stops a reply, "
              "/reset starts over, Ctrl-D or /exit quits.")
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -173,20 +217,112 @@ def _plain_chat(args) -> int:
                 _err("(conversation cleared)")
                 continue
             messages.append({"role": "user", "content": line})
-            reply = _chat_turn(runner, messages, sampling, args.max_tokens)
+            reply = _chat_turn(runner, messages, sampling, args.max_tokens, states)
             messages.append({"role": "assistant", "content": reply})
+            if states is not None:
+                saved = _save_replacing(states, saved)
 
 
-def _chat_turn(runner, messages, sampling, max_tokens) -> str:
+def _chat_turn(runner, messages, sampling, max_tokens, states=None) -> str:
+    """One reply. With `states` (no history here: the store's best prefix), a restarted REPL with
+    the same system prompt and opening turns restores them."""
     stats = ReplyStats()
     cancel = threading.Event()
+    tokens = runner.chat_tokens(messages)
+    resumed = _resume(states, tokens)
     with _sigint_sets(cancel):
-        records = runner.stream(runner.chat_tokens(messages), sampling, max_tokens=max_tokens, cancel=cancel)
+        records = runner.stream(tokens, sampling, max_tokens=max_tokens, cancel=cancel)
         reply = _stream_to(sys.stdout, records, stats)
     sys.stdout.write("\n")
     note = " (stopped)" if stats.finish == "cancelled" else ""
-    _err(f"[{stats.line()}]{note}")
+    _err(f"[{_stats_line(stats, resumed)}]{note}")
     return reply
+
+
+def _save_replacing(states, before: list) -> list:
+    """Save the conversation's state and remove the one saved after the turn before (a prefix
+    of this one: nothing would choose it over the new one)."""
+    saved = _save(states)
+    for old in {s.name for s in before} - {s.name for s in saved}:
+        states.store.remove(states.store.path(old))
+    return saved
+
+
+def cmd_cache(args) -> int:
+    """`edgerun cache`: list the saved KV states; `clear` removes them all, `rm NAME...` some.
+    The history forgets the removed ones (a conversation then prefills, silently)."""
+    from edgerun import user_settings
+    from edgerun.runtime.kvstate import KvStore
+
+    store = KvStore(max_bytes=user_settings.load()[0].kv_cache_bytes)
+    if args.action == "clear":
+        n = store.clear()
+        _forget_states(None)
+        _err(f"removed {n} saved KV state(s) from {store.root}")
+        return 0
+    if args.action == "rm":
+        if not args.names:
+            raise ConfigError("name the states to remove (see `edgerun cache`), or use `edgerun cache clear`")
+        try:
+            found = [store.path(name) for name in args.names]
+        except ValueError as e:
+            raise ConfigError(f"{e}; see `edgerun cache` for the names") from None
+        missing = [p.stem for p in found if not p.is_file()]
+        if missing:
+            raise ConfigError(f"no saved state named {', '.join(missing)}; see `edgerun cache` for the names")
+        for path in found:
+            store.remove(path)
+        _forget_states([p.name for p in found])
+        _err(f"removed {len(found)} saved KV state(s)")
+        return 0
+    _print_states(store, _state_owners())
+    return 0
+
+
+def _state_owners() -> dict[str, list[str]]:
+    from edgerun.errors import HistoryError
+    from edgerun.history import History
+
+    try:
+        with History() as h:
+            return h.kv_state_owners()
+    except HistoryError:
+        return {}  # an unusable history names no owners; the states are still listed
+
+
+def _forget_states(names: list[str] | None) -> None:
+    from edgerun.errors import HistoryError
+    from edgerun.history import History
+
+    with contextlib.suppress(HistoryError):
+        with History() as h:
+            h.forget_kv_states(names)
+
+
+def _print_states(store, owners: dict[str, list[str]]) -> None:
+    import time
+
+    entries = store.entries()
+    rows = [["NAME", "MODEL", "TOKENS", "SIZE", "LAST USED", "CONVERSATION"]]
+    for e in entries:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.used))
+        rows.append([e.name, e.label, f"{e.n_tokens:,}", _mb(e.size), used, ", ".join(owners.get(e.path.name, [])) or "-"])
+    if entries:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            print("  ".join(c.rjust(w) if i in (2, 3) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    cap = f"{store.max_bytes / 2**30:g} GiB cap (kv_cache_gib in {_settings_path()})"
+    print(f"{len(entries)} saved KV state(s), {_mb(store.total_bytes())} of the {cap}, in {store.root}")
+
+
+def _settings_path() -> Path:
+    from edgerun import user_settings
+
+    return user_settings.default_path()
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
 
 
 def cmd_serve(args) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from edgerun import paths
 from edgerun.errors import HistoryError, HistoryUnreadable
+from edgerun.runtime.kvstate import SavedState
 
 STATUSES = ("done", "streaming", "stopped", "interrupted")
 FINAL_STATUSES = ("done", "stopped", "interrupted")
@@ -41,10 +42,20 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = ((
     # which History streams a reply (its _WriterLock token): recover() takes only replies whose
     # writer is gone. NULL (rows from before this column) counts as gone.
     "ALTER TABLE messages ADD COLUMN writer TEXT",
+), (
+    # the saved KV state files of a conversation (edgerun/runtime/kvstate.py), one per context role
+    # and state key (a conversation continued with another model keeps the first model's too)
+    ("CREATE TABLE kv_states (conversation_id INTEGER NOT NULL REFERENCES conversations(id)"
+     " ON DELETE CASCADE, role TEXT NOT NULL, key TEXT NOT NULL, file TEXT NOT NULL,"
+     " n_tokens INTEGER NOT NULL, bytes INTEGER NOT NULL, updated REAL NOT NULL,"
+     " PRIMARY KEY (conversation_id, role, key))"),
+    "CREATE INDEX kv_states_by_file ON kv_states(file)",
 ),)
+_FIRST_TABLES = {"conversations", "messages"}  # what any version's file has
 # What the code reads; a file at the current version without these is not an edgerun history.
 _COLUMNS = {"conversations": {"id", "title", "model", "draft", "system", "created", "updated"},
-            "messages": {"id", "conversation_id", "role", "content", "status", "stats", "created", "writer"}}
+            "messages": {"id", "conversation_id", "role", "content", "status", "stats", "created", "writer"},
+            "kv_states": {"conversation_id", "role", "key", "file", "n_tokens", "bytes", "updated"}}
 _UNREADABLE = ("SQLITE_NOTADB", "SQLITE_CORRUPT")
 
 
@@ -180,7 +191,7 @@ class History:
             tables = _tables(c)
         if problem != "ok":
             raise _unreadable(self.path, f"is damaged ({' '.join(problem.split())[:200]})")
-        if (tables and version == 0) or (version > 0 and not set(_COLUMNS) <= tables):
+        if (tables and version == 0) or (version > 0 and not _FIRST_TABLES <= tables):
             raise _unreadable(self.path, f"is not an edgerun history (schema {version}, tables:"
                                          f" {', '.join(sorted(tables)) or 'none'})")
         if version > len(_MIGRATIONS):
@@ -293,10 +304,52 @@ class History:
             if c.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conv_id)).rowcount != 1:
                 raise HistoryError(f"no conversation {conv_id} in history (was it deleted?)")
 
-    def delete(self, conv_id: int) -> None:
-        """Its messages go with it (ON DELETE CASCADE); a missing id is a no-op."""
+    def delete(self, conv_id: int) -> list[str]:
+        """Its messages and state records go with it (ON DELETE CASCADE); a missing id is a
+        no-op. Returns the state files no other conversation records, for the caller to remove."""
         with self._tx() as c:
+            files = [f for (f,) in c.execute("SELECT file FROM kv_states WHERE conversation_id = ?", (conv_id,))]
             c.execute("DELETE FROM conversations WHERE id = ?", (conv_id,))
+            return _unused(c, files)
+
+    # ----- saved KV states ----------------------------------------------------------------------
+
+    def kv_states(self, conv_id: int) -> list[SavedState]:
+        """The conversation's saved states, most recently saved first."""
+        with self._locked() as c:
+            rows = c.execute("SELECT role, key, file, n_tokens, bytes FROM kv_states WHERE conversation_id = ?"
+                             " ORDER BY updated DESC, rowid DESC", (conv_id,)).fetchall()
+        return [SavedState(*row) for row in rows]
+
+    def record_kv_states(self, conv_id: int, states: list[SavedState]) -> list[str]:
+        """Record states just saved for a conversation, each replacing the one of its role and
+        key. Returns the replaced files that no conversation records any more."""
+        now = self._clock()
+        with self._tx() as c:
+            old = []
+            for s in states:
+                old += [f for (f,) in c.execute("SELECT file FROM kv_states WHERE conversation_id = ? AND role = ?"
+                                                " AND key = ? AND file != ?", (conv_id, s.role, s.key, s.name))]
+                c.execute("INSERT OR REPLACE INTO kv_states (conversation_id, role, key, file, n_tokens, bytes,"
+                          " updated) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                          (conv_id, s.role, s.key, s.name, s.n_tokens, s.bytes, now))
+            return _unused(c, old)
+
+    def forget_kv_states(self, files: list[str] | None = None) -> int:
+        """Drop the records of these state files (all, with None): the files were removed."""
+        with self._tx() as c:
+            if files is None:
+                return c.execute("DELETE FROM kv_states").rowcount
+            return sum(c.execute("DELETE FROM kv_states WHERE file = ?", (f,)).rowcount for f in files)
+
+    def kv_state_owners(self) -> dict[str, list[str]]:
+        """State file -> the titles of the conversations that record it."""
+        owners: dict[str, list[str]] = {}
+        with self._locked() as c:
+            for file, title in c.execute("SELECT k.file, coalesce(c.title, ?) FROM kv_states k JOIN conversations c"
+                                         " ON c.id = k.conversation_id ORDER BY k.updated DESC", (UNTITLED,)):
+                owners.setdefault(file, []).append(title)
+        return owners
 
     def recover(self) -> int:
         """Mark 'interrupted' the replies left 'streaming' by a writer that is gone (its process
@@ -398,6 +451,11 @@ def move_aside(path: Path, clock: Callable[[], float] = time.time) -> Path:
     except OSError as e:
         raise HistoryError(f"cannot move {path} aside ({e}); move it away by hand") from e
     return target
+
+
+def _unused(c: sqlite3.Connection, files: list[str]) -> list[str]:
+    """Those of `files` that no kv_states row names."""
+    return sorted({f for f in files if c.execute("SELECT 1 FROM kv_states WHERE file = ?", (f,)).fetchone() is None})
 
 
 def _check_status(status: str, final: bool = False) -> None:

@@ -69,4 +69,6 @@ SPEC_K = "auto"  # draft length: the governor decides
 NGRAM = False  # prompt-lookup drafting
 SHOW_DRAFT_MARKS = False  # the chat app highlights accepted draft tokens (F5 toggles)
 DEFAULT_SYSTEM_PROMPT: str | None = None  # None: the model's template decides
+KV_CACHE_GIB = 4.0  # saved KV states (resumable conversations and prompts): the directory's cap
+KV_CACHE_MIN_TOKENS = 128  # a context holding fewer tokens is not saved: evaluating them is quick
 HUB_TIMEOUT_S = 5.0  # how long to wait for the hub before falling back to the mirror

@@ -32,6 +32,11 @@ class UserSettings:
     ngram: bool = NGRAM
     show_draft_marks: bool = SHOW_DRAFT_MARKS
     last_model: str | None = None
+    kv_cache_gib: float = settings.KV_CACHE_GIB  # saved KV states' cap; 0 saves none
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return int(self.kv_cache_gib * 2**30)
 
     def replace(self, **changes: Any) -> UserSettings:
         return dataclasses.replace(self, **changes)
@@ -107,8 +112,9 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "ngram": (lambda v: isinstance(v, bool), "true or false"),
     "show_draft_marks": (lambda v: isinstance(v, bool), "true or false"),
     "last_model": (_name, "a model name"),
+    "kv_cache_gib": (lambda v: _number(v) and v >= 0, "a number of GiB >= 0"),
 }
-_FLOATS = {"temperature", "top_p"}  # TOML reads `temperature = 1` as an int
+_FLOATS = {"temperature", "top_p", "kv_cache_gib"}  # TOML reads `temperature = 1` as an int
 
 
 def default_path() -> Path:

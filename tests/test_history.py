@@ -413,7 +413,7 @@ def test_an_older_file_gains_the_writer_column_and_its_streaming_reply_is_recove
                      " VALUES (1, 'assistant', 'older', 'streaming', 0)")
         conn.commit()
     with History() as h:
-        assert h._conn.execute("PRAGMA user_version").fetchone()[0] == len(history._MIGRATIONS) == 2
+        assert h._conn.execute("PRAGMA user_version").fetchone()[0] == len(history._MIGRATIONS) == 3
         assert h.recover() == 1  # no writer recorded: an edgerun from before writers were, long gone
         assert [(m.content, m.status) for m in h.messages(1)] == [("older", "interrupted")]
 

@@ -313,6 +313,38 @@ class Context:
         llama_cpp.llama_memory_seq_rm(self.mem, seq, len(s.tokens), -1)
         s.in_flight = False
 
+    def state_bytes(self, seq: int = 0) -> bytearray:
+        """llama.cpp's serialized KV cache of one sequence: exactly the positions held(seq) lists
+        (a decode left in flight is dropped first). For runtime/kvstate.py to keep on disk."""
+        self.land(seq)
+        llama_cpp.llama_synchronize(self.ptr)
+        size = llama_cpp.llama_state_seq_get_size(self.ptr, seq)
+        data = bytearray(size)
+        n = llama_cpp.llama_state_seq_get_data(self.ptr, (ctypes.c_uint8 * size).from_buffer(data), size, seq)
+        if n == 0 or n > size:
+            raise EngineError("llama.cpp could not serialize the KV cache; run with -v to see its log")
+        del data[n:]
+        return data
+
+    def restore_state(self, data: bytearray, tokens: list[int], seq: int = 0) -> None:
+        """Make the sequence hold `tokens` from a state_bytes() payload. Raises EngineError when
+        llama.cpp refuses the payload or it does not hold exactly positions 0..len(tokens)-1;
+        the sequence is empty then."""
+        self.trim(0, seq)
+        if not tokens or not data:
+            raise EngineError("a saved KV state holds no tokens")
+        n = llama_cpp.llama_state_seq_set_data(self.ptr, (ctypes.c_uint8 * len(data)).from_buffer(data),
+                                              len(data), seq)
+        first = llama_cpp.llama_memory_seq_pos_min(self.mem, seq)
+        last = llama_cpp.llama_memory_seq_pos_max(self.mem, seq)
+        if n != len(data) or first != 0 or last != len(tokens) - 1:
+            llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, -1)
+            why = ("llama.cpp refused it" if n == 0 else
+                   f"llama.cpp read {n} of its {len(data)} bytes" if n != len(data) else
+                   f"it holds positions {first}..{last}, not 0..{len(tokens) - 1}")
+            raise EngineError(f"the saved KV state does not fit this context ({why})")
+        self._seq(seq).tokens.extend(tokens)
+
     def shared_prefix(self, tokens: list[int], seq: int = 0) -> int:
         """How many leading tokens of `tokens` the cache already holds."""
         return _common_prefix(self._seq(seq).tokens, tokens)

@@ -25,10 +25,12 @@ from edgerun.decode.stats import ReplyStats
 from edgerun.errors import EdgerunError
 from edgerun.history import History
 from edgerun.models import catalog
+from edgerun.resume import StateCache
 from edgerun.runner import Runner
 from edgerun import paths
+from edgerun.runtime.kvstate import KvStore
 from edgerun.runtime import devices, llama_log
-from edgerun.settings import EngineSettings
+from edgerun.settings import KV_CACHE_MIN_TOKENS, EngineSettings
 from edgerun.tui import hints
 from edgerun.tui.compositor import ChatScreen
 from edgerun.tui.history_open import open_history
@@ -68,6 +70,14 @@ class ModelFailed(Message):
         super().__init__()
 
 
+class CacheNote(Message):
+    """A saved KV state that was not used, or not written: one line for the user."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        super().__init__()
+
+
 class ReplyDone(Message):
     def __init__(self, status: str, error: str | None = None) -> None:
         self.status, self.error = status, error
@@ -92,9 +102,10 @@ class EdgerunApp(App):
 
     def __init__(self, model: str | None = None, *, draft: str | None = None,
                  engine: EngineSettings | None = None, live: bool = True, resume: int | None = None,
-                 overrides: user_settings.Overrides | None = None):
+                 overrides: user_settings.Overrides | None = None, kv_cache: bool = True):
         """overrides: settings given on the command line; they win over the saved ones for this
-        run (the status line names them) and are never saved."""
+        run (the status line names them) and are never saved. kv_cache: save each conversation's
+        KV state after a reply and restore it when the conversation is reopened."""
         super().__init__()
         llama_log.route_to_file(paths.data_dir() / "edgerun.log")
         self.prefs, self.pref_warnings = user_settings.load()
@@ -103,6 +114,10 @@ class EdgerunApp(App):
         self.draft_spec = draft if draft is not None else self.effective.draft
         self.engine = engine or EngineSettings()
         self.live, self.resume = live, resume
+        # the store exists even with the cache off: deleting a conversation removes its states
+        self.kv_store = KvStore(max_bytes=self.effective.kv_cache_bytes)
+        self.kv_cache = kv_cache and self.kv_store.max_bytes > 0
+        self._states: StateCache | None = None  # the loaded runner's, when kv_cache
         self.history: History | None = None
         self.session: ChatSession | None = None
         self.stats: ReplyStats | None = None  # the reply being generated, or the last one
@@ -197,9 +212,12 @@ class EdgerunApp(App):
 
     async def on_model_loaded(self, event: ModelLoaded) -> None:
         old = self.session
+        self._states = (StateCache(event.runner, self.kv_store, min_tokens=KV_CACHE_MIN_TOKENS)
+                        if self.kv_cache else None)
         self.session = ChatSession(event.runner, self.history, model_name=event.request.model,
                                    system=self.effective.system_prompt,
-                                   conversation_id=old.conversation_id if old else self.resume)
+                                   conversation_id=old.conversation_id if old else self.resume,
+                                   states=self._states)
         if old is not None and self._stop_generation():
             old.runner.close()
         self.model_spec, self.draft_spec = event.request.model, event.request.draft
@@ -251,11 +269,16 @@ class EdgerunApp(App):
     @work(thread=True, exclusive=True, group="generate")
     def generate(self, text: str, stats: ReplyStats, cancel: threading.Event) -> None:
         try:
-            records = self.session.reply(text, self.overrides.sampling_for(self.prefs),
-                                         max_tokens=self.effective.max_tokens, cancel=cancel, stats=stats)
-            for record in records:
+            session = self.session
+            records = session.reply(text, self.overrides.sampling_for(self.prefs),
+                                    max_tokens=self.effective.max_tokens, cancel=cancel, stats=stats)
+            for i, record in enumerate(records):
+                if i == 0 and session.resumed is not None and session.resumed.note:
+                    self.post_message(CacheNote(session.resumed.note))
                 if isinstance(record, Step) and record.text:
                     self._incoming.append((record.text, record.from_draft))  # the UI tick takes it
+            if session.save_problem:
+                self.post_message(CacheNote(session.save_problem))
         except EdgerunError as exc:
             self.post_message(ReplyDone("interrupted", str(exc)))
             return
@@ -267,6 +290,14 @@ class EdgerunApp(App):
         finally:
             self._generation_idle.set()
         self.post_message(ReplyDone("stopped" if stats.finish == "cancelled" else "done"))
+
+    def on_cache_note(self, event: CacheNote) -> None:
+        self.notify(event.text, title="KV cache", severity="warning", timeout=8)
+
+    def forget_states(self, names: list[str]) -> None:
+        """Remove the state files of a deleted conversation."""
+        for name in names:
+            self.kv_store.remove(self.kv_store.path(name))
 
     def _stop_generation(self) -> bool:
         """Stop the reply being written and wait until llama.cpp has returned (the loop stops after
@@ -325,7 +356,7 @@ class EdgerunApp(App):
         panel.show(
             self.stats, n_ctx_used=ctx.n_past if ctx else 0, n_ctx=ctx.n_ctx if ctx else self.engine.n_ctx,
             rss=rss, free_ram=free_ram, vram=self._vram, live=self.generating,
-            sample=self._ticks % SPARK_EVERY == 0,
+            sample=self._ticks % SPARK_EVERY == 0, resumed=self.session.resumed if self.session else None,
         )
 
     def set_status(self, text: str) -> None:
@@ -359,7 +390,8 @@ class EdgerunApp(App):
             transcript.add(Entry(m.role, m.content, status=m.status))
         if self.session is not None:
             self.session = ChatSession(self.session.runner, self.history, model_name=self.model_spec,
-                                       system=self.effective.system_prompt, conversation_id=conv_id)
+                                       system=self.effective.system_prompt, conversation_id=conv_id,
+                                       states=self._states)
         transcript.scroll_end(animate=False)
 
     async def action_new_conversation(self) -> None:

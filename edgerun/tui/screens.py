@@ -257,7 +257,7 @@ class ConversationsScreen(ModalScreen):
     def delete(self) -> None:
         conv = self._selected()
         if conv is not None:
-            self.history.delete(conv)
+            self.app.forget_states(self.history.delete(conv))  # its saved KV states go with it
             self.fill()
 
     @on(Button.Pressed, "#export")

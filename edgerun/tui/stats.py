@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from rich.cells import cell_len
 from rich.segment import Segment
@@ -15,6 +16,9 @@ from textual.widget import Widget
 
 from edgerun.decode.stats import ReplyStats
 from edgerun.runtime import placement
+
+if TYPE_CHECKING:
+    from edgerun.resume import Resumed
 
 SECTIONS = ("speed", "context", "memory", "spec", "placement")
 SPARK_HEIGHT = 3
@@ -63,9 +67,9 @@ class StatsPanel(Widget):
         self._update()
 
     def show(self, stats: ReplyStats | None, *, n_ctx_used: int, n_ctx: int, rss: int, free_ram: int,
-             vram: str | None, live: bool, sample: bool = True) -> None:
+             vram: str | None, live: bool, sample: bool = True, resumed: Resumed | None = None) -> None:
         """`sample`: add the current speed to the sparkline (a point a second; the numbers beside
-        it change every refresh)."""
+        it change every refresh). `resumed`: what the reply's start restored from the KV cache."""
         s = stats or ReplyStats()
         if live and sample and s.generated_tokens > 1:
             self.rates.append(s.decode_tok_s)
@@ -75,7 +79,12 @@ class StatsPanel(Widget):
             f"TPOT    {s.tpot_s * 1000:6.1f} ms\nprompt  {s.prompt_tok_s:6.0f} tok/s\ntokens  {s.generated_tokens:6d}"
         )
         pct = n_ctx_used / n_ctx if n_ctx else 0.0
-        self._set("context", f"context {n_ctx_used}/{n_ctx} ({pct:.0%})")
+        context = f"context {n_ctx_used}/{n_ctx} ({pct:.0%})"
+        if resumed is not None and resumed.tokens:
+            context += f"\n{resumed.line()}"
+        elif resumed is not None and resumed.note:
+            context += "\nKV cache not used: prefilled"
+        self._set("context", context)
         mem = f"RSS     {_mib(rss)}\nfree    {_mib(free_ram)}"
         self._set("memory", mem + (f"\nVRAM    {vram}" if vram else ""))
         if s.drafted:
