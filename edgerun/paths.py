@@ -33,6 +33,12 @@ def config_dir() -> Path:
     return root / "config" if root else _xdg("XDG_CONFIG_HOME", ".config") / "edgerun"
 
 
+def kv_dir() -> Path:
+    """Saved KV states (runtime/kvstate.py); EDGERUN_KV_DIR puts them elsewhere (a faster disk)."""
+    value = os.environ.get("EDGERUN_KV_DIR")
+    return Path(value) if value else cache_dir() / "kv"
+
+
 def models_dir() -> Path:
     return cache_dir() / "models"
 

@@ -161,7 +161,8 @@ class StateCache:
                 out.append(SavedState(role, key.digest(), path.name, len(tokens), path.stat().st_size))
                 continue
             info = self.store.save(key, tokens, ctx.state_bytes(), label=self._label(role))
-            out.append(SavedState(role, key.digest(), info.path.name, info.n_tokens, info.size))
+            if info is not None:  # None: larger than the whole cap
+                out.append(SavedState(role, key.digest(), info.path.name, info.n_tokens, info.size))
         return out
 
     def _label(self, role: str) -> str:

@@ -5,6 +5,7 @@ runs the fast tier alone."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,20 @@ def tiny_model(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny_model")
     return prepare_f16(str(write_tiny_checkpoint(root / "hf", "qwen2", n_ctx=TINY_CTX, tie=False,
                                              head_scale=4.0)), root / "work")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_kv_cache(tmp_path_factory):
+    """Saved KV states of every test (and of the edgerun processes tests start) go to a
+    directory of the session's, not the user's cache; a test that counts them sets its own."""
+    folder = tmp_path_factory.mktemp("kv")
+    before = os.environ.get("EDGERUN_KV_DIR")
+    os.environ["EDGERUN_KV_DIR"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("EDGERUN_KV_DIR", None)
+    else:
+        os.environ["EDGERUN_KV_DIR"] = before
 
 
 @pytest.fixture

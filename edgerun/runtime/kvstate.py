@@ -127,7 +127,7 @@ def file_name(key: StateKey, tokens: list[int] | tuple[int, ...]) -> str:
 
 
 def default_dir() -> Path:
-    return paths.cache_dir() / "kv"
+    return paths.kv_dir()
 
 
 class KvStore:
@@ -147,9 +147,9 @@ class KvStore:
 
     # ----- writing ------------------------------------------------------------------------------
 
-    def save(self, key: StateKey, tokens: list[int], payload: bytes | bytearray, *, label: str) -> StateInfo:
-        """Write a state atomically, then evict down to the cap (the new file last of all: a
-        state larger than the whole cap is not kept)."""
+    def save(self, key: StateKey, tokens: list[int], payload: bytes | bytearray, *, label: str) -> StateInfo | None:
+        """Write a state atomically, then evict down to the cap, the new file last of all: a
+        state larger than the whole cap is not kept (None)."""
         if not tokens:
             raise ValueError("a state of no tokens")
         self.root.mkdir(parents=True, exist_ok=True)
@@ -164,8 +164,8 @@ class KvStore:
                 f.write(head)
                 f.write(payload)
                 f.write(digest.digest())
-        self.evict(keep=path)
-        return self.info(path)
+        info = self.info(path)
+        return None if path in self.evict(keep=path) else info
 
     def touch(self, path: Path) -> None:
         """Mark a state used now (eviction takes the least recently used first)."""
