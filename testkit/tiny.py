@@ -1,4 +1,4 @@
-"""A tiny random-weight HF checkpoint (llama, qwen2 or gemma3) with a small real tokenizer, for
+"""A tiny random-weight HF checkpoint (llama, qwen2, qwen3 or gemma3) with a small real tokenizer, for
 fast tests of the conversion path and smoke runs of the later steps: a few hundred tokens, a few
 layers, a hidden size of 64, written in seconds."""
 
@@ -88,6 +88,8 @@ def _config(arch: str, n_vocab: int, n_layers: int, tie: bool, n_ctx: int) -> di
         "rope_theta": 10000.0, "max_position_embeddings": n_ctx, "vocab_size": n_vocab,
         "tie_word_embeddings": tie, "torch_dtype": "bfloat16",
     }
+    if arch == "qwen3":  # its own head size (not hidden / heads) and no q/k/v biases
+        config.update(head_dim=32, attention_bias=False)
     if arch == "gemma3":
         config.update(head_dim=32, sliding_window=16, sliding_window_pattern=6, rope_local_base_freq=10000.0,
                       query_pre_attn_scalar=32, hidden_activation="gelu_pytorch_tanh",
@@ -121,9 +123,10 @@ def _weights(config: dict[str, Any], arch: str, bias: bool, rng: np.random.Gener
         if bias:
             for name, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
                 w[p + f"self_attn.{name}.bias"] = rng.normal(0.0, 0.1, n).astype(np.float32)
+        if arch in ("qwen3", "gemma3"):  # RMS norms of each head's queries and keys
+            w.update({p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd)})
         if arch == "gemma3":
-            w.update({p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd),
-                      p + "pre_feedforward_layernorm.weight": norm(h), p + "post_feedforward_layernorm.weight": norm(h)})
+            w.update({p + "pre_feedforward_layernorm.weight": norm(h), p + "post_feedforward_layernorm.weight": norm(h)})
     return w
 
 

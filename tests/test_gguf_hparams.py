@@ -28,7 +28,7 @@ from test_gguf_check import N_VOCAB, assert_refused, write_gguf
 
 pytestmark = pytest.mark.usefixtures("edgerun_home")
 
-ARCHS = ("llama", "qwen2", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 FILE_LIMIT_S = 30  # a tiny model loads and decodes in well under a second; one stuck this long hangs
 _BITS = {VT.UINT8: 8, VT.INT8: 8, VT.UINT16: 16, VT.INT16: 16, VT.UINT32: 32, VT.INT32: 32, VT.UINT64: 64, VT.INT64: 64}
 _SIGNED = {VT.INT8, VT.INT16, VT.INT32, VT.INT64}

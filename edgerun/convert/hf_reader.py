@@ -16,17 +16,19 @@ from typing import Any
 from edgerun import paths
 from edgerun.errors import ConvertError
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 # The HF class names (config.json "architectures") each GGUF architecture is made from.
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
 }
 # The other direction, for writing checkpoints (fixture.py, tiny.py): class and model_type.
-HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-HF_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
+HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "gemma3": "Gemma3ForCausalLM"}
+HF_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HF_SCHEME = "hf://"
 _DOWNLOAD_PATTERNS = ["*.safetensors", "*.json", "tokenizer.model", "*.jinja"]

@@ -79,7 +79,7 @@ def _pre_name(tok: dict[str, Any], arch: str) -> str:
             return name
     if not regexes:
         return "gpt-2"  # ByteLevel's own regex
-    return {"qwen2": "qwen2", "llama": "llama-bpe"}.get(arch, "default")
+    return {"qwen2": "qwen2", "qwen3": "qwen2", "llama": "llama-bpe"}.get(arch, "default")
 
 
 def _fill(n: int, table: dict[int, tuple[str, int, float]]) -> tuple[list[str], list[int], list[float]]:

@@ -6,7 +6,7 @@ LLAMA_MAX_LAYERS, expert counts out of range, an unknown rope scaling type, a vo
 repeated token. Others pass the load and abort later, in the first graph (a rope dimension that is
 not the head size) or the first tokenization (a BOS token that is not in the vocabulary). The
 rules below follow llama-model.cpp's load_hparams, llama-vocab.cpp's load and the graphs of the
-architectures edgerun converts (llama, qwen2, gemma3); the generic ones hold for every arch."""
+architectures edgerun converts (llama, qwen2, qwen3, gemma3); the generic ones hold for every arch."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ LLAMA_MAX_EXPERTS = 1024
 ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")  # llama-model.cpp LLAMA_ROPE_SCALING_TYPES
 TOKEN_TYPES = np.arange(7)  # LLAMA_TOKEN_TYPE_UNDEFINED .. LLAMA_TOKEN_TYPE_BYTE
 # head size == rope dimension == value head size, asserted by these graphs (llama's load throws first)
-_ROPE_IS_HEAD = frozenset({"llama", "qwen2"})
-_ATTENTION_ARCHS = frozenset({"llama", "qwen2", "gemma3"})
+_ROPE_IS_HEAD = frozenset({"llama", "qwen2", "qwen3"})
+_ATTENTION_ARCHS = frozenset({"llama", "qwen2", "qwen3", "gemma3"})
 _NO_VOCAB = frozenset({"no_vocab", "none"})
 # the special tokens generation relies on (others out of range llama.cpp drops harmlessly)
 _SPECIAL_IDS = ("bos", "eos", "eot", "eom")
@@ -179,7 +179,7 @@ def _attention(meta: _Meta, n_layer: int) -> None:
 
 
 def _rope_dims(meta: _Meta, key: str, head_k: int, head_v: int) -> None:
-    """ggml's rope asserts an even count of dimensions within the head; llama's and qwen2's graphs
+    """ggml's rope asserts an even count of dimensions within the head; llama's and qwen's graphs
     assert the rope covers the whole head and the value head matches the key head."""
     key = meta.key(key)
     n_rot = meta.uint32(key, head_k)
