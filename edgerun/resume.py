@@ -88,7 +88,7 @@ class StateCache:
         notes = []
         for role, ctx in self.contexts().items():
             try:
-                found = self._restore(role, ctx, tokens, saved)
+                found = self.restore(role, tokens, saved)
             except StateUnusable as e:
                 then = "evaluating the prompt" if role == "target" else "the draft catches up by prefill"
                 notes.append(f"saved {role} KV state not used: {e}; {then}")
@@ -101,10 +101,11 @@ class StateCache:
                        draft_tokens=restored["draft"][1] if "draft" in restored else 0,
                        note="; ".join(notes) or None)
 
-    def _restore(self, role: str, ctx: Context, tokens: list[int],
-                 saved: list[SavedState] | None) -> tuple[StateInfo, int] | None:
-        """The state restored into ctx and how many of `tokens` it serves; None when none
-        would gain. Raises StateUnusable."""
+    def restore(self, role: str, tokens: list[int],
+                saved: list[SavedState] | None) -> tuple[StateInfo, int] | None:
+        """Restore one context's state (role: "target" or "draft"); returns the state and how
+        many of `tokens` it serves, or None when none would gain. Raises StateUnusable."""
+        ctx = self.contexts()[role]
         key = self.key(role)
         held = ctx.shared_prefix(tokens)
         if saved is None:

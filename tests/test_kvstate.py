@@ -394,3 +394,45 @@ def test_edgerun_cache_lists_removes_and_clears(tiny_model, tmp_path, capsys, mo
     cleared = run_cli(capsys, "cache", "clear")
     assert cleared.returncode == 0 and "removed 1" in cleared.stderr
     assert "0 saved KV state(s)" in run_cli(capsys, "cache").stdout
+
+
+# ----- the real models ----------------------------------------------------------------------------
+
+REAL = EngineSettings(n_ctx=2048, gpu_layers="0")
+REAL_OPENING = ("Here is a function I wrote:\n\n```python\ndef merge(a, b):\n    out = []\n    i = j = 0\n"
+                "    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i])\n"
+                "            i += 1\n        else:\n            out.append(b[j])\n            j += 1\n"
+                "    return out + a[i:] + b[j:]\n```\n\nExplain what it does in two sentences.")
+REAL_FOLLOW_UP = "Now write a short docstring for it."
+
+
+@pytest.mark.parametrize("case", ["0.5b", "0.5b-ngram", "1.5b", "1.5b-ngram", "1.5b-draft"])
+def test_real_models_reply_after_a_restore_as_after_a_full_prefill(case, small_model, target_model, tmp_path):
+    model = small_model if case.startswith("0.5b") else target_model
+    spec = {"ngram": {"ngram": True}, "draft": {"draft": str(small_model)}}.get(case.partition("-")[2], {})
+    store = KvStore(tmp_path / "kv", max_bytes=1 << 34)
+
+    def answer(history, conv, states_store, text, n=32):
+        with Runner(model, REAL, spec_k=4 if spec else None, **spec) as r:
+            session = ChatSession(r, history, model_name=case, conversation_id=conv,
+                                  states=StateCache(r, states_store, min_tokens=MIN_TOKENS) if states_store else None)
+            records = list(session.reply(text, GREEDY, max_tokens=n, cancel=None))
+            return session, [x.token for x in records if isinstance(x, Step)], next(x for x in records if isinstance(x, Prefill))
+
+    with History(tmp_path / "h.sqlite3") as h:
+        first, _, _ = answer(h, None, store, REAL_OPENING)
+        conv = first.conversation_id
+        roles = {s.role for s in h.kv_states(conv)}
+        assert roles == ({"target", "draft"} if "draft" in spec else {"target"})
+        expected_conv = h.messages(conv)
+    with History(tmp_path / "fresh.sqlite3") as fresh:  # the same conversation, no cache: a full prefill
+        other = fresh.new_conversation(case)
+        for m in expected_conv:
+            fresh.add_message(other, m.role, m.content)
+        _, expected, full = answer(fresh, other, None, REAL_FOLLOW_UP)
+        assert full.evaluated == full.prompt_tokens
+    with History(tmp_path / "h.sqlite3") as h:
+        session, tokens, prefill = answer(h, conv, store, REAL_FOLLOW_UP)
+    assert session.resumed.note is None and session.resumed.tokens > 100
+    assert prefill.evaluated == prefill.prompt_tokens - session.resumed.tokens
+    assert tokens == expected

@@ -326,7 +326,7 @@ class Context:
         del data[n:]
         return data
 
-    def restore_state(self, data: bytearray, tokens: list[int], seq: int = 0) -> None:
+    def restore_state(self, data: bytearray | memoryview, tokens: list[int], seq: int = 0) -> None:
         """Make the sequence hold `tokens` from a state_bytes() payload. Raises EngineError when
         llama.cpp refuses the payload or it does not hold exactly positions 0..len(tokens)-1;
         the sequence is empty then."""

@@ -259,7 +259,7 @@ class KvStore:
         tokens = struct.unpack_from(f"<{n}i", head, tokens_at)
         return StateInfo(path, key, label, tokens, need, payload_bytes, st.st_size, st.st_mtime)
 
-    def read(self, path: Path, key: StateKey) -> tuple[StateInfo, bytearray]:
+    def read(self, path: Path, key: StateKey) -> tuple[StateInfo, memoryview]:
         """A state checked whole for this key: its header and payload. Raises StateUnusable
         naming what is wrong (stale key, truncated, corrupt)."""
         info = self.info(path)
@@ -283,10 +283,7 @@ class KvStore:
         digest = hashlib.sha256(view[:body]).digest()
         if digest != bytes(view[body:]):
             raise StateUnusable("its file is corrupt: checksum mismatch", broken=True)
-        view.release()
-        del data[body:]
-        del data[: info.payload_at]  # the payload alone, without a second copy of it
-        return info, data
+        return info, view[info.payload_at : body]  # the payload, not copied
 
     def best_prefix(self, key: StateKey, tokens: list[int]) -> tuple[StateInfo, int] | None:
         """Of the states saved under this key, the one sharing the longest prefix with `tokens`
