@@ -19,6 +19,7 @@ import pytest
 from edgerun import history
 from edgerun.errors import EdgerunError, HistoryError, HistoryUnreadable
 from edgerun.history import History, Message
+from edgerun.runtime.kvstate import SavedState
 
 
 @pytest.fixture(autouse=True)
@@ -416,6 +417,52 @@ def test_an_older_file_gains_the_writer_column_and_its_streaming_reply_is_recove
         assert h._conn.execute("PRAGMA user_version").fetchone()[0] == len(history._MIGRATIONS) == 3
         assert h.recover() == 1  # no writer recorded: an edgerun from before writers were, long gone
         assert [(m.content, m.status) for m in h.messages(1)] == [("older", "interrupted")]
+
+
+def test_a_version_2_file_gains_the_kv_states_table_and_keeps_its_conversations(home):
+    path = home / "data" / "history.sqlite3"
+    path.parent.mkdir(parents=True)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        for migration in history._MIGRATIONS[:2]:
+            for statement in migration:
+                conn.execute(statement)
+        conn.execute("PRAGMA user_version = 2")
+        conn.execute("INSERT INTO conversations (model, created, updated) VALUES ('m', 0, 0)")
+        conn.execute("INSERT INTO messages (conversation_id, role, content, status, created)"
+                     " VALUES (1, 'user', 'kept', 'done', 0)")
+        conn.commit()
+    with History() as h:
+        assert h._conn.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert [m.content for m in h.messages(1)] == ["kept"] and h.kv_states(1) == []
+        state = SavedState("target", "k1", "k1-a.kvstate", 300, 9000)
+        assert h.record_kv_states(1, [state]) == []
+        assert h.kv_states(1) == [state]
+
+
+def test_a_conversations_states_are_replaced_per_role_and_key(hist):
+    conv = hist.new_conversation("m")
+    first = [SavedState("target", "k1", "k1-a.kvstate", 100, 1000), SavedState("draft", "k2", "k2-a.kvstate", 100, 500)]
+    assert hist.record_kv_states(conv, first) == []
+    longer = SavedState("target", "k1", "k1-b.kvstate", 200, 2000)
+    assert hist.record_kv_states(conv, [longer]) == ["k1-a.kvstate"]  # replaced, and no one else's
+    other_model = SavedState("target", "k3", "k3-a.kvstate", 150, 1500)
+    assert hist.record_kv_states(conv, [other_model]) == []  # another key: kept beside
+    assert {s.name for s in hist.kv_states(conv)} == {"k1-b.kvstate", "k2-a.kvstate", "k3-a.kvstate"}
+    assert hist.kv_states(conv)[0] == other_model  # most recently saved first
+    hist.rename(conv, "shopping")
+    assert hist.kv_state_owners()["k1-b.kvstate"] == ["shopping"]
+    assert hist.forget_kv_states(["k2-a.kvstate"]) == 1
+    assert {s.name for s in hist.kv_states(conv)} == {"k1-b.kvstate", "k3-a.kvstate"}
+    assert hist.delete(conv) == ["k1-b.kvstate", "k3-a.kvstate"] and hist.kv_state_owners() == {}
+
+
+def test_a_state_two_conversations_record_is_removed_with_the_last(hist):
+    a, b = hist.new_conversation("m"), hist.new_conversation("m")
+    shared = SavedState("target", "k", "k-shared.kvstate", 10, 100)
+    hist.record_kv_states(a, [shared])
+    hist.record_kv_states(b, [shared])
+    assert hist.record_kv_states(a, [SavedState("target", "k", "k-longer.kvstate", 20, 200)]) == []  # b still has it
+    assert hist.delete(b) == ["k-shared.kvstate"]
 
 
 # ---------------------------------------------------------------- files that are not a history

@@ -345,16 +345,6 @@ def test_a_bad_state_is_caught_said_in_one_line_and_the_reply_is_a_prefills(tiny
     store.read(store.path(now.name), StateCache(r, store, min_tokens=1).key("target"))
 
 
-def test_deleting_a_conversation_returns_only_the_states_it_alone_had(hist, store):
-    a, b = hist.new_conversation("m"), hist.new_conversation("m")
-    shared = kvstate.SavedState("target", "k", "shared.kvstate", 10, 100)
-    own = kvstate.SavedState("draft", "k", "own.kvstate", 10, 100)
-    hist.record_kv_states(a, [shared, own])
-    hist.record_kv_states(b, [shared])
-    assert hist.delete(a) == ["own.kvstate"]
-    assert hist.delete(b) == ["shared.kvstate"]
-
-
 # ----- edgerun run: a long fixed prompt -----------------------------------------------------------
 
 SYSTEM = "You review code. " * 20
