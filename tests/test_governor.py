@@ -190,6 +190,7 @@ def test_choose_respects_caps_and_only_drafts_when_it_pays(s, available):
     d = choose(s, available)
     k = d.k
     cap = s.k_max if available is None else min(s.k_max, available)
+    cap = min(cap, gov.explore_cap(s))  # no further than twice the largest batch timed
     assert 0 <= k <= cap and isinstance(d.kind, Kind) and d.reason
     assert d.gives_up == (d.kind in (Kind.HOPELESS, Kind.COSTLY)) and (k == 0 or not d.gives_up)
     plain = rate(s, 0)
@@ -201,7 +202,9 @@ def test_choose_respects_caps_and_only_drafts_when_it_pays(s, available):
         return
     rates = {j: rate(s, j) for j in range(1, cap + 1)}
     best = max((r for r in rates.values() if r is not None), default=None)
-    perfect = [rate(replace(s, alpha=1.0), j) or 0.0 for j in range(1, cap + 1)]
+    # giving up believes every timing as it is (a load-time one is not taken at its most hopeful)
+    believed = replace(s, alpha=1.0, verify_seen=tuple(n for n, _ in s.verify_s))
+    perfect = [rate(believed, j) or 0.0 for j in range(1, cap + 1)]
     probe = (s.plain_rounds >= s.probe_every and max(perfect) > plain  # never probe a hopeless draft
              and (s.catch_up_s or 0.0) * plain <= gov.PROBE_COST_MAX)  # ... nor where catch-up costs too much
     if best is None or best <= plain:
@@ -396,3 +399,107 @@ def test_the_learned_state_has_one_owner_across_replies():
     learned = update(memory.get("model"), k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=0.018)
     memory.put("model", learned)
     assert memory.get("model") is learned and not learned.plain_from_load
+
+
+# ---------------------------------------------------------------- long n-gram drafts, costs learned in the reply
+
+def cpu_like(n: int) -> float:
+    """A 2-core CPU's verify of n tokens: up to 8 cost little more than one (the weights are read
+    once), past that each token computes on its own (shape of the 1.5B's timings)."""
+    return STEP * (1 + 0.08 * (min(n, 8) - 1)) + STEP * 0.8 * max(0, n - 8)
+
+
+def gpu_like(n: int) -> float:
+    return STEP * (1 + 0.01 * (n - 1))
+
+
+def ngram_reply(state: GovernorState, verify, alpha: float, rounds: int, seed: int = 0, match: int = 40):
+    """n-gram rounds (draft steps are free) against `verify` (batch size -> seconds); the
+    drafter always has 64 tokens to propose. (state, the k of each round, tokens/s)."""
+    gen = np.random.default_rng(seed)
+    state = replace(state, k_max=gov.K_MAX_NGRAM)
+    ks, tokens, seconds = [], 0, 0.0
+    for _ in range(rounds):
+        k = choose(state, 64, match=match).k
+        accepted = accepted_run(gen, alpha, k)
+        state = update(state, k=k, drafted=k, accepted=accepted, draft_s=0.0, verify_s=verify(k + 1),
+                       match=match if k else None)
+        ks.append(k)
+        tokens, seconds = tokens + accepted + 1, seconds + verify(k + 1)
+    return state, ks, tokens / seconds
+
+
+def loaded_state(verify, spike: dict[int, float] | None = None) -> GovernorState:
+    """What the runner times at load (sizes 1..K_MAX+1), with some samples made slow."""
+    table = [(n, (spike or {}).get(n, verify(n))) for n in range(1, gov.K_MAX + 2)]
+    return replace(gov.from_costs(gov.Costs(tuple(table), draft_step_s=0.0), warm_rounds=1), hopeful=True)
+
+
+def test_cheap_batches_and_a_long_copy_draft_far_past_eight():
+    """Where a batch costs little more than one token (a GPU), a long exact copy drafts up to 64
+    per round; the costs of batches larger than load-time timing covered are learned on the way,
+    doubling at most (k <= 16 first, since only up to 9 tokens were timed)."""
+    s, ks, _ = ngram_reply(loaded_state(gpu_like), gpu_like, alpha=0.995, rounds=30)
+    drafted = [k for k in ks if k]
+    assert drafted[0] <= 16 and max(ks) == 64 and ks[-1] == 64, ks
+    assert {n for n, _ in s.verify_s} >= {17, 33, 65}
+
+
+def test_on_a_cpu_long_drafts_only_go_as_far_as_their_cost_allows():
+    """With CPU-like costs (every token past 8 costs 0.8 of a plain step) the best k at 99.5%
+    acceptance is about 7: it learns that 16 and 32 do not pay and settles there, above plain."""
+    s, ks, rate_ = ngram_reply(loaded_state(cpu_like), cpu_like, alpha=0.995, rounds=60)
+    assert 5 <= np.median(ks[-20:]) <= 12, ks
+    assert rate_ > 2.5 * PLAIN_RATE
+
+
+def test_no_batch_discount_means_plain_decoding():
+    """A verify of n tokens costing more than n plain steps: no acceptance pays, so the reply
+    decodes plain but for a few sizes tried once and the doubling re-checks (never below plain)."""
+    linear = lambda n: STEP * (1 + 1.05 * (n - 1))  # noqa: E731
+    _, ks, rate_ = ngram_reply(loaded_state(linear), linear, alpha=0.99, rounds=60)
+    assert sum(k > 0 for k in ks) <= 6 and rate_ >= 0.97 * PLAIN_RATE, ks
+
+
+def test_one_slow_load_time_sample_does_not_pin_k_low():
+    """The best batch (8 tokens, k=7) was timed at load during a stall (10x slow). Its
+    neighbours say it should be cheap, so the governor tries it once; the reply's own timing then
+    replaces the stall, and the reply drafts at k=7 as if the stall had never happened."""
+    clean, _, rate_clean = ngram_reply(loaded_state(cpu_like), cpu_like, alpha=0.995, rounds=40, seed=1)
+    stalled = loaded_state(cpu_like, spike={8: 10 * cpu_like(8)})
+    assert verify_time(stalled, 8) < 2 * cpu_like(8)  # the prior alone is not believed over its neighbours
+    s, ks, rate_stalled = ngram_reply(stalled, cpu_like, alpha=0.995, rounds=40, seed=1)
+    assert 7 in ks[:5] and dict(s.verify_s)[8] == pytest.approx(cpu_like(8))
+    assert rate_stalled >= 0.95 * rate_clean
+
+
+def test_a_slow_size_timed_in_a_reply_is_believed():
+    """Once a size has run in a reply, its own timing counts, even when its neighbours are cheaper
+    (llama.cpp's kernels do make some sizes dearer than their neighbours)."""
+    s = loaded_state(cpu_like, spike={6: 10 * cpu_like(6)})
+    assert verify_time(s, 6) < 2 * cpu_like(6)
+    for _ in range(5):
+        s = update(s, k=5, drafted=5, accepted=5, draft_s=0.0, verify_s=10 * cpu_like(6))
+    assert verify_time(s, 6) == pytest.approx(10 * cpu_like(6))
+
+
+def test_acceptance_is_learned_per_match_length():
+    """Rounds from long matches (an exact copy in progress) accept nearly everything; rounds from
+    chance 2-gram matches nearly nothing. Each class keeps its own estimate: long matches draft
+    long, short ones not at all, and a new reply keeps both (they do not depend on the text)."""
+    s = loaded_state(cpu_like)
+    s = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=cpu_like(1))
+    for _ in range(30):
+        s = update(s, k=7, drafted=7, accepted=7, draft_s=0.0, verify_s=cpu_like(8), match=40)
+        s = update(s, k=3, drafted=3, accepted=0, draft_s=0.0, verify_s=cpu_like(4), match=2)
+    s = replace(s, k_max=gov.K_MAX_NGRAM)
+    assert choose(s, 64, match=40).k >= 7
+    short = choose(s, 64, match=2).k
+    assert short <= 1  # at most a try of a size timed only at load, at its most hopeful
+    if short:
+        s = update(s, k=1, drafted=1, accepted=0, draft_s=0.0, verify_s=cpu_like(2), match=2)
+    assert choose(s, 64, match=2).k == 0
+    fresh = gov.new_reply(s)
+    assert fresh.by_match == s.by_match and choose(fresh, 64, match=40).k >= 7
+    assert gov.match_bucket(2) == gov.match_bucket(3) != gov.match_bucket(4)
+    assert gov.match_bucket(64) == gov.match_bucket(1000) == gov.MATCH_BUCKETS - 1

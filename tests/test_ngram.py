@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgerun.decode.ngram import NGRAM_MAX, NGRAM_MIN, NgramDrafter
+from edgerun.decode.ngram import MATCH_MAX, NGRAM_MAX, NGRAM_MIN, NgramDrafter
 
 
 def brute_force(seq: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
@@ -153,3 +153,55 @@ def test_proposal_is_a_real_continuation(seq, k):
             if seq[start:start + n] == suffix and seq[start + n:start + n + len(got)] == got:
                 found = True
     assert found
+
+
+# ---------------------------------------------------------------- long proposals, stops, match length
+
+def brute_match(seq: list[int], k: int) -> int:
+    """The match length of the brute-force proposal's source: how many tokens before it agree with
+    the tokens before the end of the history (capped like the drafter's)."""
+    for n in range(min(NGRAM_MAX, len(seq) - 1), NGRAM_MIN - 1, -1):
+        suffix = seq[len(seq) - n:]
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start:start + n] == suffix:
+                end, m = start + n, n
+                while m < MATCH_MAX and end - m - 1 >= 0 and seq[end - m - 1] == seq[len(seq) - m - 1]:
+                    m += 1
+                return m
+    return 0
+
+
+def test_a_long_copy_proposes_as_far_as_the_earlier_text_goes():
+    body = list(range(10, 90))  # 80 distinct tokens, then their first 5 again
+    d = drafter(body + [1] + body[:5])
+    got = d.lookup(64)
+    assert got.tokens == body[5:69] and got.match == 5
+    assert d.lookup(200).tokens == body[5:] + [1] + body[:5]  # up to the end of the history
+
+
+def test_the_match_length_grows_with_the_copy():
+    body = list(range(10, 90))
+    d = drafter(body + [1])
+    for i in range(2, 70):
+        d.reset(body + [1] + body[:i])
+        assert d.lookup(4).match == min(i, MATCH_MAX)
+
+
+def test_a_proposal_stops_after_an_end_of_generation_token():
+    stop = 99
+    d = NgramDrafter(is_stop=lambda t: t == stop)
+    d.reset([1, 2, 3, 4, stop, 7, 8, 1, 2])
+    assert d.lookup(10).tokens == [3, 4, stop]
+    assert NgramDrafter().propose(10) == []
+    plain = drafter([1, 2, 3, 4, stop, 7, 8, 1, 2])
+    assert plain.propose(10) == [3, 4, stop, 7, 8, 1, 2]
+
+
+@given(seq=st.lists(st.integers(0, 3), max_size=120), k=st.integers(1, 64))
+@settings(max_examples=300)
+def test_lookup_matches_brute_force_with_its_match_length(seq, k):
+    got = drafter(seq).lookup(k)
+    assert got.tokens == brute_force(seq, k)
+    assert got.match == (brute_match(seq, k) if got.tokens else 0)
+    if got.tokens:
+        assert NGRAM_MIN <= got.match <= MATCH_MAX

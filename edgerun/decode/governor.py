@@ -6,9 +6,12 @@ No model needed to test it."""
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, replace
 
-K_MAX = 8
+K_MAX = 8            # most drafts of a model draft per round (and what load-time timing covers)
+K_MAX_NGRAM = 64     # most drafts of the n-gram drafter: a long exact copy drafts in long rounds
+MATCH_BUCKETS = 6    # acceptance kept apart by match length: 2-3, 4-7, 8-15, 16-31, 32-63, 64
 EMA = 0.15           # weight of the newest measurement
 PRIOR_ALPHA = 0.6    # acceptance assumed before any draft was verified
 PRIOR_TRIALS = 1.0   # ... worth this many accept/reject decisions
@@ -69,6 +72,10 @@ class GovernorState:
     warm_rounds: int = WARM_ROUNDS  # ... measured before costs may rule the draft out (1 on a CPU)
     catch_up_s: float | None = None  # draft prefill per token: what re-checking costs after a plain stretch
     plain_from_load: bool = False   # the plain step's cost is still the load-time timing: time one in place
+    verify_seen: tuple[int, ...] = ()  # batch sizes timed in a reply (the others only at load: a prior)
+    hopeful: bool = False  # take a load-time-only timing at its most hopeful (free drafts: n-gram)
+    # (match bucket, accepted_ema, trials_ema): the n-gram drafter's acceptance by match length
+    by_match: tuple[tuple[int, float, float], ...] = ()
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -82,13 +89,47 @@ def verify_time(state: GovernorState, n: int) -> float | None:
     """Seconds for the target to decode n tokens in one batch: measured, else a line between the
     nearest measurements around n (beyond them, the line through the first and last), else None.
     The cost is not smooth in n: llama.cpp's CPU kernels take 4 tokens at a time and the rest one
-    by one, so 4 tokens can cost less than 3 (measured: 117 vs 134 ms on the 1.5B, 2 threads)."""
+    by one, so 4 tokens can cost less than 3 (measured: 117 vs 134 ms on the 1.5B, 2 threads).
+    For a drafter whose drafts are free (`hopeful`: the n-gram lookup), a size timed only at
+    load is a prior taken at its most hopeful: no dearer than one token fewer, until the size
+    runs in a reply. So one slow load-time sample cannot keep the governor from ever trying a
+    size; trying it costs one round's verify, and the reply's own timing decides. (given_up and
+    hopeless believe the load-time timings as they are.)"""
+    return curve(state, n)[n - 1] if n >= 1 else None
+
+
+def curve(state: GovernorState, n_max: int) -> list[float | None]:
+    """verify_time of 1..n_max tokens (index n - 1), computed in one pass: the governor weighs up
+    to 65 batch sizes every round."""
     table = dict(state.verify_s)
-    if n in table:
-        return table[n]
     if not table:
+        return [None] * n_max
+    pts, seen, largest = sorted(table.items()), set(state.verify_seen), max(table)
+    out = []
+    for n in range(1, n_max + 1):
+        if n not in table:
+            out.append(_line_pts(pts, n))
+        elif not state.hopeful or n in seen or n - 1 not in table or n >= largest:
+            out.append(table[n])
+        else:
+            out.append(min(table[n], table[n - 1]))
+    return out
+
+
+def _rate_at(costs: list[float | None], alpha: float, draft_step_s: float | None, k: int) -> float | None:
+    tv = costs[k]
+    if tv is None or (k > 0 and draft_step_s is None):
         return None
-    pts = sorted(table.items())
+    cost = tv + k * (draft_step_s or 0.0)
+    return expected_tokens(alpha, k) / cost if cost > 0 else None
+
+
+def _believed(state: GovernorState) -> GovernorState:
+    """The state with every timing taken as it is (load-time ones included)."""
+    return replace(state, verify_seen=tuple(n for n, _ in state.verify_s))
+
+
+def _line_pts(pts: list[tuple[int, float]], n: int) -> float:
     if len(pts) == 1:
         (n1, t1), = pts
         return t1 * (1 + 0.25 * (n - n1))  # assume batching is cheap until measured
@@ -99,21 +140,47 @@ def verify_time(state: GovernorState, n: int) -> float | None:
     return ta + slope * (n - na)
 
 
+def explore_cap(state: GovernorState) -> int:
+    """The most drafts the costs known so far may justify: a batch at most twice the largest one
+    timed (K_MAX, which load-time timing covers, at least). Beyond the timings the cost is a straight line, and on a CPU the line through small
+    batches (which cost little more than one token: the weights are read once) is far too cheap
+    for large ones (which compute for every token). Doubling reaches 64 drafts in three rounds,
+    each a real measurement, instead of one 64-draft round priced by a guess."""
+    largest = max((m for m, _ in state.verify_s), default=1)
+    return max(K_MAX, 2 * largest - 1)
+
+
+def match_bucket(match: int) -> int:
+    """The acceptance class of an n-gram proposal whose match is `match` tokens long."""
+    return min(MATCH_BUCKETS - 1, max(0, int(math.log2(max(match, 2))) - 1))
+
+
+def for_match(state: GovernorState, match: int | None) -> GovernorState:
+    """The state with the acceptance learned for proposals of this match length (the state's
+    own estimate while that class has no rounds yet, or when match is None)."""
+    if match is None:
+        return state
+    bucket = match_bucket(match)
+    for b, accepted_ema, trials_ema in state.by_match:
+        if b == bucket:
+            return replace(state, alpha=accepted_ema / trials_ema)
+    return state
+
+
 def rate(state: GovernorState, k: int) -> float | None:
     """Expected tokens per second with k drafts (None while a cost is unknown)."""
-    tv = verify_time(state, k + 1)
-    if tv is None or (k > 0 and state.draft_step_s is None):
-        return None
-    cost = tv + k * (state.draft_step_s or 0.0)
-    return expected_tokens(state.alpha, k) / cost if cost > 0 else None
+    return _rate_at(curve(state, k + 1), state.alpha, state.draft_step_s, k)
 
 
 def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
-           horizon: int | None = None) -> Decision:
+           horizon: int | None = None, match: int | None = None) -> Decision:
     """k for the next round and why. `available` caps k (an n-gram drafter's proposal length);
     `lag`: tokens the draft must prefill before it can draft (its prompt, a plain stretch);
-    `horizon`: tokens the reply may still produce, over which drafting must win that back."""
+    `horizon`: tokens the reply may still produce, over which drafting must win that back;
+    `match`: the n-gram proposal's match length (its acceptance class)."""
+    state = for_match(state, match)
     k_cap = state.k_max if available is None else min(state.k_max, available)
+    k_cap = min(k_cap, explore_cap(state))
     if k_cap == 0:
         return Decision(Kind.NONE, 0, "no draft available: plain step")
     plain = rate(state, 0)
@@ -121,7 +188,7 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
         return Decision(Kind.MEASURE, 0, "measuring plain decoding")
     measured = _draft_measured(state)
     best_k, best = _best(state, k_cap, plain) if measured else (0, plain)
-    off = _off_for_good(state, k_cap, plain, best_k) if measured else None
+    off = given_up(state, k_cap) if measured else None
     if off:
         return off
     if state.plain_from_load:
@@ -157,6 +224,7 @@ def given_up(state: GovernorState, k_cap: int = K_MAX) -> Decision | None:
     drafted round moves the acceptance, so a reply that gives up can decode plain to its end. A
     plain step timed at load is, if anything, too slow (noise only adds time), and that makes
     drafting look better: giving up on it is safe."""
+    state = _believed(state)
     plain = rate(state, 0)
     if plain is None or not _draft_measured(state):
         return None
@@ -184,8 +252,9 @@ def _draft_measured(state: GovernorState) -> bool:
 def _best(state: GovernorState, k_cap: int, plain: float) -> tuple[int, float]:
     """The k with the highest expected rate, and that rate (0 and plain when no k beats plain)."""
     best_k, best = 0, plain
+    costs = curve(state, k_cap + 1)
     for k in range(1, k_cap + 1):
-        r = rate(state, k)
+        r = _rate_at(costs, state.alpha, state.draft_step_s, k)
         if r is not None and r > best:
             best_k, best = k, r
     return best_k, best
@@ -193,11 +262,14 @@ def _best(state: GovernorState, k_cap: int, plain: float) -> tuple[int, float]:
 
 def new_reply(state: GovernorState) -> GovernorState:
     """Carry the measured costs into a new reply, but not the acceptance: how often a draft is
-    right depends on the text (a code edit repeats its prompt, a story does not)."""
-    fresh = GovernorState(k_max=state.k_max, warm_rounds=state.warm_rounds)
+    right depends on the text (a code edit repeats its prompt, a story does not). The n-gram
+    drafter's acceptance by match length stays: it is already conditioned on how much of the
+    text around the proposal repeats."""
+    fresh = GovernorState(k_max=state.k_max, warm_rounds=state.warm_rounds, hopeful=state.hopeful)
     return replace(fresh, draft_step_s=state.draft_step_s, verify_s=state.verify_s,
                    drafted_rounds=state.drafted_rounds, catch_up_s=state.catch_up_s,
-                   plain_from_load=state.plain_from_load)
+                   plain_from_load=state.plain_from_load, verify_seen=state.verify_seen,
+                   by_match=state.by_match)
 
 
 def catch_up_share(state: GovernorState, plain: float) -> float:
@@ -217,8 +289,8 @@ def caught_up(state: GovernorState, tokens: int, seconds: float) -> GovernorStat
 def hopeless(state: GovernorState, k_cap: int, plain: float) -> bool:
     """True when the measured costs alone rule drafting out: with every draft accepted, no k
     beats plain decoding. Then re-checking acceptance cannot help, so the governor stops probing."""
-    perfect = replace(state, alpha=1.0)
-    return all((rate(perfect, k) or 0.0) <= plain for k in range(1, k_cap + 1))
+    costs = curve(_believed(state), k_cap + 1)
+    return all((_rate_at(costs, 1.0, state.draft_step_s, k) or 0.0) <= plain for k in range(1, k_cap + 1))
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -237,12 +309,16 @@ def _cost_ema(old: float | None, new: float) -> float:
 
 
 def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
-           steps: int = 1) -> GovernorState:
+           steps: int = 1, match: int | None = None) -> GovernorState:
     """Fold one round's measurements into the state. `steps`: plain tokens the round decoded
-    (verify_s is then the time of one of them)."""
+    (verify_s is then the time of one of them); `match`: the n-gram proposal's match length."""
     table = dict(state.verify_s)
     n = drafted + 1
     table[n] = _cost_ema(table.get(n), verify_s)
+    seen = state.verify_seen if n in state.verify_seen else tuple(sorted((*state.verify_seen, n)))
+    by_match = state.by_match
+    if drafted > 0 and match is not None:
+        by_match = _fold_match(state, match, accepted, 0 if accepted == drafted else 1)
     alpha, accepted_ema, trials_ema = state.alpha, state.accepted_ema, state.trials_ema
     draft_step = state.draft_step_s
     if drafted > 0:
@@ -265,8 +341,18 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
         probe_every = min(PROBE_MAX, state.probe_every * 2) if losing else state.probe_every
     return replace(state, alpha=alpha, accepted_ema=accepted_ema, trials_ema=trials_ema, draft_step_s=draft_step,
                    drafted_rounds=drafted_rounds, plain_from_load=state.plain_from_load and drafted > 0,
-                   verify_s=tuple(sorted(table.items())),
+                   verify_s=tuple(sorted(table.items())), verify_seen=seen, by_match=by_match,
                    plain_rounds=plain_rounds, probe_every=probe_every)
+
+
+def _fold_match(state: GovernorState, match: int, accepted: int, failures: int) -> tuple:
+    """by_match with one drafted round of this match length folded in (a class seen for the
+    first time starts from the state's own estimate, as for_match answered for it)."""
+    bucket = match_bucket(match)
+    rows = {b: (a, t) for b, a, t in state.by_match}
+    a, t = rows.get(bucket, (state.accepted_ema, state.trials_ema))
+    rows[bucket] = (_ema(a, accepted), _ema(t, accepted + failures))
+    return tuple((b, a, t) for b, (a, t) in sorted(rows.items()))
 
 
 

@@ -88,6 +88,7 @@ class _Planned:
     drafter: str
     decision: Decision
     catch_up_s: float = 0.0  # the draft's prefill before the round (prefill work, shown in the stats)
+    match: int | None = None  # an n-gram proposal's match length (its acceptance class)
 
 
 class Speculator:
@@ -102,7 +103,7 @@ class Speculator:
         wanted = target.output_on_gpu if cfg.device_greedy is None else cfg.device_greedy
         self.device_greedy = greedy and wanted  # plain steps may pick in llama.cpp's graph
         self.overlap = target.output_on_gpu if cfg.overlap is None else cfg.overlap
-        self.ngram = NgramDrafter() if cfg.ngram else None
+        self.ngram = NgramDrafter(is_stop=target.model.is_eog) if cfg.ngram else None
         if self.ngram:
             self.ngram.reset(prompt)
         self.stable_shapes = cfg.stable_shapes
@@ -116,7 +117,8 @@ class Speculator:
         self.drafters = [name for name, on in (("model", cfg.draft is not None), ("ngram", cfg.ngram)) if on]
         for name in self.drafters:
             state = governor.new_reply(self.memory.get(name) or fresh)
-            self.memory.put(name, replace(state, k_max=min(state.k_max, self.k_cap)))
+            limit = governor.K_MAX_NGRAM if name == "ngram" else governor.K_MAX
+            self.memory.put(name, replace(state, k_max=min(limit, self.k_cap), hopeful=name == "ngram"))
         self.mode = Mode.DRAFTING if cfg.draft is not None else Mode.PLAIN
         self.off_why: Decision | None = None  # the give-up, while the mode is PLAIN for a model draft
         self._planned = _Planned("none", NO_DRAFTER)
@@ -125,7 +127,8 @@ class Speculator:
     def governed(self) -> bool:
         return self.cfg.draft is not None and self.cfg.k is None
 
-    def _choose(self, name: str, available: int | None, remaining: int | None = None, lag: int = 0) -> Decision:
+    def _choose(self, name: str, available: int | None, remaining: int | None = None, lag: int = 0,
+                match: int | None = None) -> Decision:
         """`lag`: tokens the model draft would prefill before drafting (0 for a short lag, which
         rides along in the round's batch). k never exceeds what one batch holds, nor the context
         left: the verify batch writes `last` and k drafts from position n_past on."""
@@ -134,7 +137,8 @@ class Speculator:
         if self.cfg.k is not None:
             fit = f" ({room} fit)" if room < self.cfg.k else ""
             return Decision(Kind.FIXED, min(self.cfg.k, available), f"fixed k={self.cfg.k}{fit}")
-        return governor.choose(self.memory.get(name), available, lag=lag if lag > FEED_MAX else 0, horizon=remaining)
+        return governor.choose(self.memory.get(name), available, lag=lag if lag > FEED_MAX else 0, horizon=remaining,
+                               match=match)
 
     def _set_mode(self, decision: Decision) -> None:
         """The governed model draft's mode after a decision. A give-up holds to the reply's end:
@@ -203,13 +207,14 @@ class Speculator:
         plan.history = self.sampling.penalty_window(committed, last)
         if self.ngram:
             self.ngram.extend([last])
-            proposals = self.ngram.propose(self.cfg.k or governor.K_MAX)
-            if proposals:
-                decision = self._choose("ngram", len(proposals))
-                self._planned = _Planned("ngram", decision)
+            # a proposal runs as far as the earlier text does (up to the most one round may take)
+            proposal = self.ngram.lookup(self.cfg.k or governor.K_MAX_NGRAM)
+            if proposal.tokens:
+                decision = self._choose("ngram", len(proposal.tokens), match=proposal.match)
+                self._planned = _Planned("ngram", decision, match=proposal.match)
                 if decision.k == 0:
                     return self._plain(plan, remaining)
-                plan.k, plan.proposals = decision.k, proposals[: decision.k]
+                plan.k, plan.proposals = decision.k, proposal.tokens[: decision.k]
                 return plan
         if self.cfg.draft is None or self.mode is Mode.PLAIN:
             self._planned = _Planned("model", self.off_why) if self.off_why else _Planned("none", NO_DRAFTER)
@@ -251,7 +256,8 @@ class Speculator:
             if name in self.memory:
                 self.memory.put(name, governor.update(
                     self.memory.get(name), k=planned.decision.k if drafts else 0, drafted=len(drafts),
-                    accepted=accepted, draft_s=result.draft_s, verify_s=result.verify_s / steps, steps=steps))
+                    accepted=accepted, draft_s=result.draft_s, verify_s=result.verify_s / steps, steps=steps,
+                    match=planned.match if drafts else None))
         return Round(planned.drafter, planned.decision.k, len(drafts), accepted,
                      result.draft_s + planned.catch_up_s, result.verify_s, planned.decision)
 
