@@ -92,3 +92,45 @@ def report(doc: dict) -> str:
 
 register(Scenario("llama-cpp-python", "edgerun run vs llama-cpp-python's Llama, decode tok/s (goal >= 0.98)",
                   add_args, measure, report))
+
+
+# -- llama-cpp-python's prompt lookup decoding, in process (the `ngram` scenario's external side) --
+
+
+class PromptLookup:
+    """llama-cpp-python's own n-gram speculation (`Llama` with `LlamaPromptLookupDecoding`) on the
+    same model file, threads and context as edgerun's side, fed the same prompt tokens. Its
+    `num_pred_tokens` is set per reply; the draft model sees the whole prompt and reply."""
+
+    def __init__(self, path: Path, *, n_ctx: int, threads: int):
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        self.draft = LlamaPromptLookupDecoding(num_pred_tokens=10)
+        self.llm = Llama(str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                         n_gpu_layers=0, draft_model=self.draft, verbose=False)
+
+    def reply(self, tokens: list[int], *, num_pred: int, temperature: float, seed: int, max_tokens: int) -> dict:
+        """One reply with edgerun's default sampler chain: decode tok/s as ReplyStats counts it
+        (tokens after the first over the time after the first; end-of-generation not counted)."""
+        import time
+
+        import llama_cpp
+
+        self.draft.num_pred_tokens = num_pred
+        self.llm.set_seed(seed)
+        vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        times, out = [], []
+        for token in self.llm.generate(tokens, temp=temperature, top_k=40, top_p=0.95, min_p=0.05,
+                                       repeat_penalty=1.0):
+            if llama_cpp.llama_vocab_is_eog(vocab, token):
+                break
+            times.append(time.perf_counter())
+            out.append(token)
+            if len(out) >= max_tokens:
+                break
+        span = times[-1] - times[0] if len(times) > 1 else 0.0
+        return {"tokens": out, "decode_tok_s": (len(times) - 1) / span if span > 0 else 0.0}
+
+    def close(self) -> None:
+        self.llm.close()

@@ -128,3 +128,173 @@ def _num(value, scale: float = 1.0, suffix: str = "") -> str:
 
 register(Scenario("spec", "plain vs model draft vs n-gram drafting (goals: worst >= 0.97, code edit n-gram"
                   " >= 1.5, host overhead < 2%)", add_args, measure, report))
+
+
+# -- `edgerun bench ngram`: long n-gram drafts vs plain and vs llama-cpp-python's prompt lookup ----
+
+NGRAM_TEMPS = (0.0, 0.7)
+PLD_DEFAULT = 10  # LlamaPromptLookupDecoding's own default num_pred_tokens
+CODEGEN_PROMPT = "codegen"
+# a two-turn chat: the model writes code, then is asked to change it (its reply repeats turn 1's)
+CHAT_TURN_1 = ("Write a Python function `parse_duration(text)` that turns strings like '1h30m', '45s' or"
+               " '2h5m10s' into a number of seconds, raising ValueError on bad input, with a docstring."
+               " Only the code.")
+CHAT_TURN_2 = ("Rename the function to `duration_seconds`, add type hints, and return the complete code"
+               " again.")
+
+
+def ngram_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default="qwen2.5-coder-1.5b", help="the target (default qwen2.5-coder-1.5b)")
+    p.add_argument("--temps", type=_floats, default=list(NGRAM_TEMPS), metavar="T[,T...]",
+                   help="temperatures (default 0,0.7)")
+    p.add_argument("--pld", default=f"{PLD_DEFAULT}", metavar="N[,N...]",
+                   help="llama-cpp-python prompt lookup num_pred_tokens settings to run (default 10; the"
+                        " best median is 'its best setting')")
+    p.add_argument("-n", "--max-tokens", type=count, default=256, help="tokens per reply (default 256)")
+    p.add_argument("--repeat", type=count, default=5, help="interleaved runs per case and side (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
+    p.add_argument("--ctx", type=count, default=4096, help="context size (default 4096)")
+    p.add_argument("--threads", type=count, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--cases", default="edit,chat,codegen", help="which cases: edit, chat, codegen (default all)")
+
+
+def ngram_measure(args: argparse.Namespace, say) -> dict:
+    from edgerun.bench.external import PromptLookup
+    from edgerun.runner import Runner
+    from edgerun.settings import EngineSettings, physical_cores
+
+    pld = sorted({int(v) for v in args.pld.split(",") if v.strip().isdigit() and int(v) > 0})
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if not pld or not set(cases) <= {"edit", "chat", "codegen"}:
+        raise argparse.ArgumentTypeError("--pld takes counts (10,16) and --cases edit, chat or codegen")
+    threads = args.threads or physical_cores()
+    engine = EngineSettings().replace(n_ctx=args.ctx, n_threads=threads, gpu_layers="0")
+    prompts = {p.name: p.text for p in load_prompts("spec")}
+    runs: list[dict] = []
+    with Runner(args.model, engine) as plain, Runner(args.model, engine, ngram=True) as ngram:
+        loaded = {name: ngram.governors.get(name) for name in ("ngram",)}  # what `edgerun run` starts from
+        lookup = PromptLookup(plain.path, n_ctx=args.ctx, threads=threads) if "edit" in cases else None
+        try:
+            for rep in range(args.repeat):
+                for temp in args.temps:
+                    seed = args.seed + rep
+                    for case in cases:
+                        sides = {"plain": lambda: _edgerun_case(plain, case, prompts, temp, seed, args.max_tokens),
+                                 "ngram": lambda: _edgerun_case(ngram, case, prompts, temp, seed, args.max_tokens,
+                                                                fresh=loaded)}
+                        if case == "edit":
+                            tokens = plain.chat_tokens([{"role": "user", "content": prompts[EDIT_PROMPT]}])
+                            for n in pld:
+                                sides[f"pld{n}"] = (lambda n=n: lookup.reply(tokens, num_pred=n, temperature=temp,
+                                                                             seed=seed, max_tokens=args.max_tokens))
+                        names = list(sides) if rep % 2 == 0 else list(sides)[::-1]  # ABBA turns
+                        got = {name: sides[name]() for name in names}
+                        for name, r in got.items():
+                            runs.append({"case": case, "temperature": temp, "repeat": rep, "side": name,
+                                         **{k: v for k, v in r.items() if k != "tokens"}, "n": len(r["tokens"])})
+                        say(f"[{rep + 1}/{args.repeat}] {case} T={temp:g} "
+                            + ", ".join(f"{n} {got[n]['decode_tok_s']:.1f}" for n in sides) + " tok/s")
+        finally:
+            if lookup:
+                lookup.close()
+    settings = {"model": args.model, "temps": args.temps, "pld": pld, "cases": cases, "max_tokens": args.max_tokens,
+                "repeat": args.repeat, "seed": args.seed, "ctx": args.ctx, "threads": threads,
+                "chat": [CHAT_TURN_1, CHAT_TURN_2]}
+    rows = _ngram_rows(runs, pld)
+    return {"settings": settings, "runs": runs, "rows": rows, "claims": _ngram_claims(rows)}
+
+
+def _edgerun_case(runner, case: str, prompts: dict, temp: float, seed: int, max_tokens: int,
+                  fresh: dict | None = None) -> dict:
+    """One measured reply on an edgerun runner. `fresh`: the governor state the runner had at load,
+    restored first, so each run starts as `edgerun run` (or a new chat) does. The chat case answers
+    turn 1 first (unmeasured) and measures the reply to turn 2."""
+    from edgerun.decode.governor import GovernorMemory
+    from edgerun.settings import SamplerSettings
+
+    if fresh is not None:
+        runner.governors = GovernorMemory(fresh)
+    sampling = SamplerSettings().replace(temperature=temp, seed=seed)
+    if case == "chat":
+        first = [{"role": "user", "content": CHAT_TURN_1}]
+        answer = _reply(runner, runner.chat_tokens(first), sampling, max_tokens)
+        messages = first + [{"role": "assistant", "content": answer["text"]}, {"role": "user", "content": CHAT_TURN_2}]
+    else:
+        messages = [{"role": "user", "content": prompts[EDIT_PROMPT if case == "edit" else CODEGEN_PROMPT]}]
+    return _reply(runner, runner.chat_tokens(messages), sampling, max_tokens)
+
+
+def _reply(runner, tokens: list[int], sampling, max_tokens: int) -> dict:
+    from edgerun.decode.generate import Step
+    from edgerun.decode.stats import ReplyStats
+
+    stats, out, text = ReplyStats(), [], []
+    for record in runner.stream(tokens, sampling, max_tokens=max_tokens):
+        stats.add(record)
+        if isinstance(record, Step) and record.finish != "stop":
+            out.append(record.token)
+            text.append(record.text)
+    return {"tokens": out, "text": "".join(text), "decode_tok_s": stats.decode_tok_s,
+            "acceptance": stats.acceptance_rate, "rounds": stats.rounds, "drafted": stats.drafted,
+            "accepted": stats.accepted}
+
+
+def _ngram_rows(runs: list[dict], pld: list[int]) -> list[dict]:
+    """Per case and temperature: each side's median tok/s, and n-gram's paired ratios against
+    plain and against each prompt lookup setting (the best one by its median, too)."""
+    rows = []
+    for case, temp in dict.fromkeys((r["case"], r["temperature"]) for r in runs):
+        mine = [r for r in runs if r["case"] == case and r["temperature"] == temp]
+        by = {}
+        for r in mine:
+            by.setdefault(r["side"], {})[r["repeat"]] = r["decode_tok_s"]
+        reps = sorted(by["ngram"])
+        tok_s = {side: statistics.median(v.values()) for side, v in by.items()}
+        against = {side: ratio_spread([by[side][i] for i in reps], [by["ngram"][i] for i in reps])
+                   for side in by if side != "ngram"}
+        lookups = [f"pld{n}" for n in pld if f"pld{n}" in by]
+        best = max(lookups, key=lambda s: tok_s[s]) if lookups else None
+        ngram_runs = [r for r in mine if r["side"] == "ngram"]
+        drafted = sum(r["drafted"] for r in ngram_runs)
+        rows.append({"case": case, "temperature": temp, "tok_s": tok_s, "ratios": against, "best_pld": best,
+                     "acceptance": sum(r["accepted"] for r in ngram_runs) / drafted if drafted else 0.0,
+                     "tokens": statistics.median(r["n"] for r in ngram_runs)})
+    return rows
+
+
+def _ngram_claims(rows: list[dict]) -> list[dict]:
+    out = []
+    for r in rows:
+        at = f"{r['case']} T={r['temperature']:g}"
+        if r["case"] == "edit":
+            for side in dict.fromkeys([f"pld{PLD_DEFAULT}", r["best_pld"]]):
+                if side in r["ratios"]:
+                    out.append(claim(f"{at}: n-gram / prompt lookup ({side}) median", r["ratios"][side], ">= 1.3"))
+                    out.append(claim(f"{at}: n-gram / prompt lookup ({side}) worst run", r["ratios"][side]["min"],
+                                     ">= 1.0"))
+        elif r["case"] == "chat":
+            out.append(claim(f"{at}: second reply, n-gram / plain", r["ratios"]["plain"], ">= 1.5"))
+        else:
+            out.append(claim(f"{at}: n-gram / plain worst run", r["ratios"]["plain"]["min"], ">= 0.97"))
+    return out
+
+
+def ngram_report(doc: dict) -> str:
+    from edgerun.bench.table import align
+
+    s = doc["settings"]
+    sides = ["plain", "ngram"] + [f"pld{n}" for n in s["pld"]]
+    table = [["case", "T", *[f"{x} tok/s" for x in sides], "n-gram / plain", "n-gram / best pld", "acceptance"]]
+    for r in doc["rows"]:
+        ratio = lambda side: (f"{r['ratios'][side]['median']:.3f} ({r['ratios'][side]['min']:.2f}-"
+                              f"{r['ratios'][side]['max']:.2f})" if side and side in r["ratios"] else "-")
+        table.append([r["case"], f"{r['temperature']:g}", *[_num(r["tok_s"].get(x)) for x in sides],
+                      ratio("plain"), ratio(r["best_pld"]), f"{r['acceptance']:.2f}"])
+    head = (f"{s['model']}, {s['threads']} threads, up to {s['max_tokens']} tokens, {s['repeat']} interleaved runs;"
+            " ratios are medians (min-max) of paired runs")
+    return "\n".join([head, "", *align(table)])
+
+
+register(Scenario("ngram", "n-gram drafting vs plain and vs llama-cpp-python's prompt lookup: code edit, a"
+                  " two-turn edit of the model's own code, codegen (goals: >= 1.3x prompt lookup, >= 1.5x"
+                  " plain, >= 0.97x plain)", ngram_args, ngram_measure, ngram_report))
