@@ -483,3 +483,23 @@ def test_the_repetition_window_of_a_whole_reply_on_the_real_sampler(tiny_model, 
             seq.append(token)
             ctx.eval([token])
     assert got == want and len(got) > 20
+
+
+def test_the_last_of_a_64_token_point_mass_draft_keeps_the_target_distribution():
+    """The n-gram drafter's longest round: 63 drafts the target is all but sure of, then one at
+    position 63 whose row is P_LOGITS. The token committed there, the draft if accepted or the
+    correction, must follow p: acceptance math does not drift along a long draft."""
+    long = 64
+    sure = np.full(len(P_LOGITS), -30.0, dtype=np.float32)
+    sure[2] = 30.0  # p(2) = 1 - 1e-26: accepted every time
+    rows = np.stack([sure] * (long - 1) + [P_LOGITS, P_LOGITS])
+    native, _ = make_params(1.0, 0, 1.0, 0.0)
+    p = target_probs()
+    for x, seed in [(0, 3), (4, 4)]:
+        drafts = [2] * (long - 1) + [x]
+        rng, out = _native.Rng(seed), np.empty(TRIALS // 2, dtype=np.int64)
+        for i in range(len(out)):
+            accepted, nxt = _native.verify(rows, drafts, None, [], native, "rejection", rng)
+            assert accepted >= long - 1
+            out[i] = x if accepted == long else nxt
+        assert chi_square(np.bincount(out, minlength=len(p)), p) < CHI2_CRIT_001[len(p) - 1]

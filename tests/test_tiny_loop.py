@@ -10,7 +10,9 @@ import llama_cpp
 import numpy as np
 import pytest
 
+from edgerun.decode import governor
 from edgerun.decode.generate import Prefill, Step
+from edgerun.decode.governor import Costs
 from edgerun.decode.speculative import Round
 from edgerun.runner import Runner
 from edgerun.runtime.engine import Context, Model
@@ -115,6 +117,49 @@ def test_greedy_speculation_equals_plain_decoding_token_for_token(plain, runner_
     if runner_name == "self_draft":  # the target as its own draft: every proposal is the target's pick
         assert all(r.accepted == r.drafted for r in rounds)
         assert sum(r.drafted for r in rounds) > len(got) // 2
+
+
+LONG = governor.K_MAX_NGRAM  # the n-gram drafter's longest round
+
+
+@pytest.fixture(scope="module")
+def long_ngram(tiny_model):
+    """n-gram drafts of up to 64 tokens (a batch of 65 needs n_batch above 64)."""
+    with Runner(tiny_model, ENGINE.replace(n_batch=128), ngram=True, spec_k=LONG) as r:
+        yield r
+
+
+def test_long_ngram_drafts_equal_plain_decoding_token_for_token(plain, long_ngram, tiny_model):
+    _, want = _reply(plain, max_tokens=300)
+    records, got = _reply(long_ngram, max_tokens=300)
+    assert _tokens(got) == _tokens(want)
+    rounds = [r for r in records if isinstance(r, Round) and r.drafted]
+    assert max(r.drafted for r in rounds) == LONG  # proposals run as far as the earlier text goes
+    assert max(r.accepted for r in rounds) > governor.K_MAX  # ... and long runs of them are right
+    # every accepted draft is shown, but those of the last round past the token budget
+    assert 0 <= sum(r.accepted for r in rounds) - sum(s.from_draft for s in got) <= rounds[-1].accepted
+    assert_cache_is_what_context_says(long_ngram.ctx, tiny_model)
+
+
+def test_sampled_long_ngram_drafts_leave_the_cache_as_recorded(long_ngram, tiny_model):
+    """Above temperature 0, 64-token point-mass drafts are accepted with p(x) each and rejected
+    at the first miss (the distribution itself: test_native_sampling's long-draft test)."""
+    records, steps = _reply(long_ngram, sampling=HOT, max_tokens=300)
+    rounds = [r for r in records if isinstance(r, Round) and r.drafted]
+    assert max(r.drafted for r in rounds) == LONG and sum(r.accepted for r in rounds) > 0
+    assert 0 <= sum(r.accepted for r in rounds) - sum(s.from_draft for s in steps) <= rounds[-1].accepted
+    assert_cache_is_what_context_says(long_ngram.ctx, tiny_model)
+
+
+def test_governed_ngram_drafts_equal_plain_decoding(plain, tiny_model):
+    """The governor as a user gets it, from injected costs where batching is free (so it drafts
+    long as soon as acceptance allows); what it then learns in the reply moves k, never the tokens."""
+    free = Costs(tuple((n, 1e-4) for n in range(1, governor.K_MAX + 2)), draft_step_s=0.0)
+    with Runner(tiny_model, ENGINE.replace(n_batch=128), ngram=True, costs={"ngram": free}) as r:
+        _, want = _reply(plain, max_tokens=160)
+        records, got = _reply(r, max_tokens=160)
+        assert _tokens(got) == _tokens(want)
+        assert any(x.drafted for x in records if isinstance(x, Round))
 
 
 def test_sampled_self_draft_accepts_nearly_everything(self_draft):
