@@ -87,7 +87,8 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 def verify_time(state: GovernorState, n: int) -> float | None:
     """Seconds for the target to decode n tokens in one batch: measured, else a line between the
-    nearest measurements around n (beyond them, the line through the first and last), else None.
+    nearest measurements around n (beyond the largest, the last segment of their lower convex
+    hull), else None.
     The cost is not smooth in n: llama.cpp's CPU kernels take 4 tokens at a time and the rest one
     by one, so 4 tokens can cost less than 3 (measured: 117 vs 134 ms on the 1.5B, 2 threads).
     For a drafter whose drafts are free (`hopeful`: the n-gram lookup), a size timed only at
@@ -135,9 +136,34 @@ def _line_pts(pts: list[tuple[int, float]], n: int) -> float:
         return t1 * (1 + 0.25 * (n - n1))  # assume batching is cheap until measured
     below = [p for p in pts if p[0] < n]
     above = [p for p in pts if p[0] > n]
+    if below and not above:
+        return _beyond(pts, n)
     (na, ta), (nb, tb) = (below[-1], above[0]) if below and above else (pts[0], pts[-1])
     slope = max(0.0, (tb - ta) / (nb - na))
     return ta + slope * (n - na)
+
+
+def _beyond(pts: list[tuple[int, float]], n: int) -> float:
+    """Past the largest size timed: the lowest of the lines along the lower convex hull's segments
+    that reach at least half the largest size, i.e. the cheapest cost per extra token among large
+    batches. A size llama.cpp's kernels make dear (17 tokens: 16 in blocks of 4, then one alone)
+    lies above another segment's line and does not raise the price of 32 or 64."""
+    hull = _lower_hull(pts)
+    largest = pts[-1][0]
+    lines = [ta + max(0.0, (tb - ta) / (nb - na)) * (n - na)
+             for (na, ta), (nb, tb) in zip(hull, hull[1:]) if 2 * nb >= largest]
+    return min(lines)
+
+
+def _lower_hull(pts: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The lower convex hull of (batch size, seconds), in order of size."""
+    hull: list[tuple[int, float]] = []
+    for p in pts:
+        while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0])
+                                  >= (p[1] - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
+            hull.pop()
+        hull.append(p)
+    return hull
 
 
 def explore_cap(state: GovernorState) -> int:
@@ -155,16 +181,24 @@ def match_bucket(match: int) -> int:
     return min(MATCH_BUCKETS - 1, max(0, int(math.log2(max(match, 2))) - 1))
 
 
+def match_prior(bucket: int) -> float:
+    """Acceptance assumed for a match-length class before any of its rounds: Laplace's rule of
+    succession on its shortest match m (a copy that held for m tokens holds for the next with
+    probability (m + 1) / (m + 2)), never below PRIOR_ALPHA; chance 2-3 token matches get PRIOR_ALPHA."""
+    m = 2 ** (bucket + 1)
+    return PRIOR_ALPHA if bucket == 0 else max(PRIOR_ALPHA, (m + 1) / (m + 2))
+
+
 def for_match(state: GovernorState, match: int | None) -> GovernorState:
-    """The state with the acceptance learned for proposals of this match length (the state's
-    own estimate while that class has no rounds yet, or when match is None)."""
+    """The state with the acceptance learned for proposals of this match length (the class's
+    prior while it has no rounds yet); the state as it is when match is None."""
     if match is None:
         return state
     bucket = match_bucket(match)
     for b, accepted_ema, trials_ema in state.by_match:
         if b == bucket:
             return replace(state, alpha=accepted_ema / trials_ema)
-    return state
+    return replace(state, alpha=match_prior(bucket))
 
 
 def rate(state: GovernorState, k: int) -> float | None:
@@ -347,10 +381,10 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
 
 def _fold_match(state: GovernorState, match: int, accepted: int, failures: int) -> tuple:
     """by_match with one drafted round of this match length folded in (a class seen for the
-    first time starts from the state's own estimate, as for_match answered for it)."""
+    first time starts from its prior, worth PRIOR_TRIALS decisions)."""
     bucket = match_bucket(match)
     rows = {b: (a, t) for b, a, t in state.by_match}
-    a, t = rows.get(bucket, (state.accepted_ema, state.trials_ema))
+    a, t = rows.get(bucket, (match_prior(bucket) * PRIOR_TRIALS, PRIOR_TRIALS))
     rows[bucket] = (_ema(a, accepted), _ema(t, accepted + failures))
     return tuple((b, a, t) for b, (a, t) in sorted(rows.items()))
 
