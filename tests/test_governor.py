@@ -342,15 +342,16 @@ def test_verify_time_follows_a_dip_between_measurements():
     assert verify_time(s, 4) == 0.117
     assert verify_time(s, 2) == pytest.approx(0.104)  # between its neighbours 1 and 3
     assert verify_time(s, 7) == pytest.approx(0.151 + 2 * (0.237 - 0.151) / 4)
-    # beyond: the cheapest cost per extra token seen (4 -> 9; 5 lies above that line)
-    assert verify_time(s, 11) == pytest.approx(0.237 + 2 * (0.237 - 0.117) / 5)
+    # beyond: from the largest, the cheapest cost per extra token seen (1 -> 4; 5 lies above the hull)
+    assert verify_time(s, 11) == pytest.approx(0.237 + 2 * (0.117 - 0.074) / 3)
 
 
 def test_past_the_largest_size_the_cost_follows_the_cheapest_slope():
     """Measured on the 1.5B, one thread: 16 tokens in 1063 ms, 17 in 1354 (the 17th goes through
-    the one-column kernel). The price of 32 follows 1 -> 16, not the dear 17."""
+    the one-column kernel). The price of 32 goes on from 17 at the slope of 1 -> 16, not 16 -> 17;
+    once 17 ran in a reply, only segments reaching half the largest size count."""
     s = GovernorState(verify_s=((1, 0.271), (4, 0.446), (8, 0.871), (16, 1.063), (17, 1.354)))
-    assert verify_time(s, 32) == pytest.approx(1.063 + 16 * (1.063 - 0.271) / 15)
+    assert verify_time(s, 32) == pytest.approx(1.354 + 15 * (1.063 - 0.271) / 15)
 
 
 def test_a_load_time_plain_timing_is_checked_in_place_before_drafting():

@@ -74,8 +74,8 @@ class GovernorState:
     plain_from_load: bool = False   # the plain step's cost is still the load-time timing: time one in place
     verify_seen: tuple[int, ...] = ()  # batch sizes timed in a reply (the others only at load: a prior)
     hopeful: bool = False  # take a load-time-only timing at its most hopeful (free drafts: n-gram)
-    # (match bucket, accepted_ema, trials_ema): the n-gram drafter's acceptance by match length
-    by_match: tuple[tuple[int, float, float], ...] = ()
+    # (match bucket, accepted_ema, trials_ema, rounds): the n-gram drafter's acceptance by match length
+    by_match: tuple[tuple[int, float, float, int], ...] = ()
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -144,15 +144,21 @@ def _line_pts(pts: list[tuple[int, float]], n: int) -> float:
 
 
 def _beyond(pts: list[tuple[int, float]], n: int) -> float:
-    """Past the largest size timed: the lowest of the lines along the lower convex hull's segments
-    that reach at least half the largest size, i.e. the cheapest cost per extra token among large
-    batches. A size llama.cpp's kernels make dear (17 tokens: 16 in blocks of 4, then one alone)
-    lies above another segment's line and does not raise the price of 32 or 64."""
-    hull = _lower_hull(pts)
-    largest = pts[-1][0]
-    lines = [ta + max(0.0, (tb - ta) / (nb - na)) * (n - na)
-             for (na, ta), (nb, tb) in zip(hull, hull[1:]) if 2 * nb >= largest]
-    return min(lines)
+    """Past the largest size timed: its cost plus the cheapest cost per extra token seen
+    (the lower convex hull's flattest segment; once sizes past K_MAX + 1 have run, the flattest
+    among segments reaching half the largest size). Hopeful on purpose: on a CPU the
+    cost per token falls again for large batches (one thread, 1.5B: 225 ms a token at 9, 145 at
+    20, 125 at 40), which no line through small batches shows; a hopeful price gets a larger
+    batch tried, explore_cap keeps each try to twice the largest, and its own timing then counts.
+    A size llama.cpp's kernels make dear (17: 16 in blocks of 4, then one alone) lies above the
+    hull and does not steepen the slope that prices 32 or 64."""
+    hull, largest = _lower_hull(pts), pts[-1][0]
+    # once batches past load-time timing have run, only the large ones' slopes count: the flat
+    # start of a CPU's curve (a few tokens read the weights once) says nothing about 64
+    any_segment = largest <= K_MAX + 1
+    slope = min(max(0.0, (tb - ta) / (nb - na)) for (na, ta), (nb, tb) in zip(hull, hull[1:])
+                if any_segment or 2 * nb >= largest)
+    return pts[-1][1] + slope * (n - largest)
 
 
 def _lower_hull(pts: list[tuple[int, float]]) -> list[tuple[int, float]]:
@@ -195,7 +201,7 @@ def for_match(state: GovernorState, match: int | None) -> GovernorState:
     if match is None:
         return state
     bucket = match_bucket(match)
-    for b, accepted_ema, trials_ema in state.by_match:
+    for b, accepted_ema, trials_ema, _ in state.by_match:
         if b == bucket:
             return replace(state, alpha=accepted_ema / trials_ema)
     return replace(state, alpha=match_prior(bucket))
@@ -381,12 +387,15 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
 
 def _fold_match(state: GovernorState, match: int, accepted: int, failures: int) -> tuple:
     """by_match with one drafted round of this match length folded in (a class seen for the
-    first time starts from its prior, worth PRIOR_TRIALS decisions)."""
+    first time starts from its prior, worth PRIOR_TRIALS decisions). A class's first rounds are
+    averaged (the i-th weighs 1 / (i + 1)) until that falls to EMA: chance matches in fresh code
+    are then off after a round or two instead of the eight an EMA from the prior would take."""
     bucket = match_bucket(match)
-    rows = {b: (a, t) for b, a, t in state.by_match}
-    a, t = rows.get(bucket, (match_prior(bucket) * PRIOR_TRIALS, PRIOR_TRIALS))
-    rows[bucket] = (_ema(a, accepted), _ema(t, accepted + failures))
-    return tuple((b, a, t) for b, (a, t) in sorted(rows.items()))
+    rows = {b: (a, t, n) for b, a, t, n in state.by_match}
+    a, t, n = rows.get(bucket, (match_prior(bucket) * PRIOR_TRIALS, PRIOR_TRIALS, 0))
+    w = max(EMA, 1 / (n + 2))
+    rows[bucket] = ((1 - w) * a + w * accepted, (1 - w) * t + w * (accepted + failures), n + 1)
+    return tuple((b, *row) for b, row in sorted(rows.items()))
 
 
 

@@ -210,7 +210,8 @@ class Speculator:
             # a proposal runs as far as the earlier text does (up to the most one round may take)
             proposal = self.ngram.lookup(self.cfg.k or governor.K_MAX_NGRAM)
             if proposal.tokens:
-                decision = self._choose("ngram", len(proposal.tokens), match=proposal.match)
+                # drafts past the reply's token budget would never be shown
+                decision = self._choose("ngram", min(len(proposal.tokens), max(1, remaining)), match=proposal.match)
                 self._planned = _Planned("ngram", decision, match=proposal.match)
                 if decision.k == 0:
                     return self._plain(plan, remaining)
