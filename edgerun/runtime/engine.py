@@ -156,8 +156,11 @@ class Context:
     """Owns a llama_context* and its batch, and is the one writer of what its KV cache holds per
     sequence (its own evals and trims, and the native round's writes through commit), so a new
     prompt that extends the last one (a chat turn) evaluates only the new part. With
-    settings.n_seq > 1 the sequences 0..n_seq-1 share one unified KV cache of n_seq * n_ctx cells
-    (a prefix copied between them shares its cells), each up to n_ctx positions long."""
+    settings.n_seq > 1 the sequences 0..n_seq-1 each get a KV stream of n_ctx cells of their own,
+    as llama-server's slots do. Not one unified cache: llama.cpp's CPU flash attention takes the
+    queries of a batch as tiles and skips a block of cells only when every query in the tile masks
+    it, so in a unified cache each of 16 decoding sequences attended over all 16 sequences' cells
+    (the cache's used extent), against only its own in a stream."""
 
     def __init__(self, model: Model, settings: EngineSettings, *, eval_callback: tuple[int, int] | None = None):
         """eval_callback: (function address, user data address) of a ggml_backend_sched_eval_callback
@@ -169,7 +172,7 @@ class Context:
             params.cb_eval_user_data = ctypes.c_void_p(eval_callback[1])
         params.n_ctx = settings.n_ctx * settings.n_seq
         params.n_seq_max = settings.n_seq
-        params.kv_unified = settings.n_seq > 1  # one cache the sequences share: a batch of several is one split
+        params.kv_unified = False  # a stream per sequence (see above)
         params.n_batch = settings.n_batch
         params.n_ubatch = min(settings.n_ubatch, settings.n_batch)
         params.n_threads = settings.n_threads
@@ -261,15 +264,20 @@ class Context:
     def decode_rows(self, rows: list[tuple[int, list[int], bool]]) -> list[int]:
         """One llama_decode of several sequences' tokens: (seq, tokens, logits for the last one)
         per row, each appended at its sequence's end. Returns each row's output index (for
-        logits and _native.sample_context)."""
+        logits and _native.sample_context), in the order of `rows`. The batch holds the rows by
+        sequence id: with a stream per sequence llama.cpp puts consecutive ids in one ubatch."""
+        order = sorted(range(len(rows)), key=lambda r: rows[r][0])
         placed = []
-        for seq, tokens, logits in rows:
+        for r in order:
+            seq, tokens, logits = rows[r]
             self.land(seq)
             held = self._seq(seq).tokens
             if len(held) + len(tokens) > self.n_ctx:
                 raise ConfigError(f"sequence {seq} is full ({len(held)} + {len(tokens)} tokens > {self.n_ctx})")
             placed.append((seq, tokens, len(held), logits))
-        last = self.batch.fill_rows(placed)
+        last = [0] * len(rows)
+        for r, i in zip(order, self.batch.fill_rows(placed)):
+            last[r] = i
         rc = llama_cpp.llama_decode(self.ptr, self.batch.raw)
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc}" + (" (no free KV cells)" if rc == 1 else ""))
@@ -278,8 +286,8 @@ class Context:
         return last
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Make sequence dst hold the first n tokens of src. In a unified cache the cells are
-        shared, not copied: the prefix costs no memory until one of them trims it."""
+        """Make sequence dst hold the first n tokens of src. Between streams llama.cpp copies a
+        whole stream's buffer (at the next decode), then dst drops what lies past n."""
         self.land(src)
         self.trim(0, dst)
         if n:

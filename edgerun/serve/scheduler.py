@@ -7,8 +7,12 @@ streams a few chunk-sized steps, not its whole prefill. A reply alone on the ser
 the same decode loop as `edgerun run` (generate(), with the n-gram drafter or the draft model and
 the governor); when another request arrives it is handed over, between two rounds, to the batched
 steps, which decode plainly. A finished reply's slot keeps its KV as a prompt cache: a new request
-takes the idle slot whose cache shares the longest prefix with its prompt (else the least recently
-used one), or shares a running slot's cells when that prefix is longer."""
+takes the idle slot whose cache shares the longest prefix with its prompt (of those alike, the
+lowest numbered), or copies a running slot's prefix when that is longer.
+
+Each slot is a KV stream of its own, and llama.cpp decodes a batch's rows of consecutive slot
+numbers as one ubatch: a batch of slots 0-3 and 5 is two passes over the weights. Taking the lowest
+free slot among equal candidates keeps the running slots packed at the bottom."""
 
 from __future__ import annotations
 
@@ -113,7 +117,9 @@ class Scheduler:
         with self._cond:
             if self._closing:
                 raise Overloaded("the server is shutting down")
-            if len(self._waiting) >= self.queue_limit:
+            # a request a free slot will take at once does not wait: only those beyond the free
+            # slots count against the queue
+            if len(self._waiting) >= self.queue_limit + len(self._idle):
                 raise Overloaded(f"{len(self._active)} requests are running and {len(self._waiting)} waiting"
                                  " (the queue is full); retry later")
             self._waiting.append(job)
@@ -177,11 +183,11 @@ class Scheduler:
     def _place(self, job: Job) -> None:
         """Give the job a slot and the longest prefix of its prompt the KV already holds."""
         ctx, prompt = self.ctx, job.prompt
-        best = max(self._idle, key=lambda s: (ctx.shared_prefix(prompt, s), -self._idle[s]))
+        best = max(self._idle, key=lambda s: (ctx.shared_prefix(prompt, s), -s))
         reuse = ctx.shared_prefix(prompt, best)
         shared, donor = max(((_common_prefix(ctx.held(j.seq), prompt), j.seq) for j in self._active), default=(0, -1))
         if shared > reuse + COPY_GAIN:
-            seq = min(self._idle, key=self._idle.get)  # the least recently used cache makes room
+            seq = min(self._idle, key=lambda s: (len(ctx.held(s)), s))  # the smallest cache makes room
             reuse = min(shared, len(prompt) - 1)
             ctx.copy_prefix(donor, seq, reuse)
         else:
