@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -43,6 +44,37 @@ class ServerState:
     scheduler: Scheduler | None = None
     drain_s: float = 10.0  # how long a shutdown lets running streams finish
     created: int = field(default_factory=lambda: int(time.time()))
+    _mailbox: "_Mailbox | None" = None
+
+    def mailbox(self, loop: asyncio.AbstractEventLoop) -> "_Mailbox":
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = _Mailbox(loop)
+        return self._mailbox
+
+
+class _Mailbox:
+    """The engine thread's events to the event loop. An engine step makes one event per running
+    reply; each call_soon_threadsafe wakes the loop through its self-pipe, so the events of one
+    step share one wake-up: only the first event posted while none is pending schedules the
+    delivery, and the loop hands out everything posted until it runs."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, object]] = []
+
+    def post(self, queue: asyncio.Queue, event) -> None:
+        with self._lock:
+            self._pending.append((queue, event))
+            if len(self._pending) > 1:
+                return
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, event in pending:
+            queue.put_nowait(event)
 
 
 def create_app(state: ServerState, lifespan=None) -> Starlette:
@@ -146,10 +178,10 @@ async def _complete(state: ServerState, request: Request, *, chat: bool) -> Resp
         raise APIError(400, f"the prompt has {len(prompt)} tokens and this server's context holds {runner.ctx.n_ctx}"
                        f" per request (at most {limit} for the prompt); shorten it, or restart the server with a"
                        " larger --ctx", param="messages" if chat else "prompt", code="context_length_exceeded")
-    loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
+    mailbox = state.mailbox(asyncio.get_running_loop())
     job = Job(prompt, req.sampling(), req.limit or runner.ctx.n_ctx, req.stop,
-              sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+              sink=lambda event: mailbox.post(events, event))
     try:
         scheduler.submit(job)
     except Overloaded as exc:
@@ -166,6 +198,15 @@ async def _events(job: Job, events: asyncio.Queue) -> AsyncIterator[Delta | Done
     try:
         while True:
             event = await events.get()
+            # text that arrived together goes out together (a reply alone gets a round's tokens
+            # at once): one chunk for the client to parse instead of one per token
+            while isinstance(event, Delta) and not events.empty():
+                after = events.get_nowait()
+                if not isinstance(after, Delta):
+                    yield event
+                    event = after
+                    break
+                event = Delta(event.text + after.text)
             yield event
             if not isinstance(event, Delta):
                 return
