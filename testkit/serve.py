@@ -72,3 +72,42 @@ def running(model, *flags: str, env: dict | None = None) -> Iterator[Server]:
         yield server
     finally:
         server.stop()
+
+
+def greedy_steps(model_path, messages: list[dict], max_tokens: int, ctx: int = 1024, threads: int = 2):
+    """The reply to `messages` at T=0 as one sequence alone decodes it (a context of its own, one
+    token per llama_decode), step by step: (the text released so far, the top-2 logit gap of the
+    step's pick) per token. What a served reply is compared against: a batch of several sequences
+    runs other llama.cpp kernels (tinyBLAS for two or more rows, a tiled flash attention), whose
+    sums round differently, so a pick whose two best logits are nearly equal may go either way."""
+    import numpy as np
+
+    from edgerun.runner import chat_tokens
+    from edgerun.runtime.engine import Context, Model
+    from edgerun.serve.text import ReplyText
+    from edgerun.settings import EngineSettings
+
+    steps: list[tuple[str, float]] = []
+    with Model(model_path) as model, Context(model, EngineSettings(n_ctx=ctx, n_threads=threads)) as c:
+        prompt = chat_tokens(model, messages)
+        text, out = ReplyText(model, [], max_tokens), ""
+        c.prefill(prompt)
+        while text.finish is None:
+            logits = c.logits()
+            top2 = np.partition(logits, -2)[-2:]
+            token = int(np.argmax(logits))
+            out += text.push(token)
+            steps.append((out, float(top2[1] - top2[0])))
+            if text.finish is None:
+                c.eval([token])
+    return steps
+
+
+def explain_difference(steps, served: str, window: int = 4) -> float | None:
+    """None when the served reply is the alone reply (the last step's text); else the smallest
+    top-2 logit gap over the `window` steps up to the one whose text first leaves the served
+    reply: where a batched pick may have gone the other way."""
+    if served == steps[-1][0]:
+        return None
+    first = next(i for i, (text, _) in enumerate(steps) if not served.startswith(text))
+    return min(gap for _, gap in steps[max(0, first - window + 1): first + 1])

@@ -227,3 +227,14 @@ def test_the_serve_scenario_measures_both_servers_and_stops_them(tiny_model, tmp
     # every claim but llama-batched-bench's (not asked for) has a figure from paired turns
     assert len(doc["claims"]) == 4 and all(c["median"] is not None for c in doc["claims"])
     assert not {p.pid for p in _servers_of(tiny_model)} - before, "a server of the scenario is still running"
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--gpu-layers", "lots"], "--gpu-layers takes a layer count, all or 0"),
+    (["--shape", "0.5b"], "give -m or --shape, not both"),
+])
+def test_the_serve_scenario_refuses_bad_placement_flags_before_starting(tiny_model, argv, says):
+    before = {p.pid for p in _servers_of(tiny_model)}
+    proc = _bench("serve", "-m", str(tiny_model), "--sides", "edgerun serve", *argv)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr
+    assert not {p.pid for p in _servers_of(tiny_model)} - before
