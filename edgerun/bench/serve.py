@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from edgerun.bench import load
+from edgerun.bench import load, shapes
 from edgerun.bench.scenario import Scenario, claim, count, interleave, register
 from edgerun.bench.stats import ratio_spread
 from edgerun.errors import ConfigError, EdgerunError
@@ -34,7 +34,13 @@ OURS, THEIRS = "edgerun serve", "llama-server"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default="qwen2.5-coder-0.5b", help="catalog name or .gguf (default qwen2.5-coder-0.5b)")
+    p.add_argument("-m", "--model", default=None, help="catalog name or .gguf (default qwen2.5-coder-0.5b)")
+    p.add_argument("--shape", default=None, choices=list(shapes.SHAPES),
+                   help="instead of -m: a random-weight Qwen2.5 shape (bench/shapes.py), written once and reused")
+    p.add_argument("--shapes-dir", type=Path, default=None, help="where shapes are written (default: the cache's shapes/)")
+    p.add_argument("--gpu-layers", default=None,
+                   help="layers on the GPU, both servers and edgerun run: a count, all, or 0 (default: all where"
+                        " a GPU is, else 0)")
     load.add_load_args(p, concurrency="1,16")
     p.add_argument("--threads", type=count, default=None, help="CPU threads, both servers (default: physical cores)")
     p.add_argument("--ctx", type=count, default=4096, help="context per slot in tokens (default 4096)")
@@ -60,8 +66,33 @@ def _start(name: str, args, model: Path, threads: int, parallel: int, logdir: Pa
 
     log = logdir / f"{name.replace(' ', '-')}.log"
     if name == OURS:
-        return servers.start_edgerun(model, threads, args.ctx, parallel, log, [])
-    return servers.start_llama_server(binary, model, threads, args.ctx, parallel, log)
+        return servers.start_edgerun(model, threads, args.ctx, parallel, log, ["--gpu-layers", str(args.ngl)])
+    return servers.start_llama_server(binary, model, threads, args.ctx, parallel, log, ngl=args.ngl)
+
+
+def _gpu_layers(text: str | None) -> int:
+    """--gpu-layers as one count for every side: all is 999 (llama.cpp and edgerun clamp it to
+    the model's layers and its output head), the default all where a GPU is, else 0."""
+    from edgerun.runtime import devices
+
+    if text is None:
+        text = "all" if devices.gpu_offload_supported() else "0"
+    if text == "all":
+        return 999
+    if not text.isdigit():
+        raise ConfigError(f"--gpu-layers takes a layer count, all or 0; '{text}' is none of them")
+    return int(text)
+
+
+def _model(args) -> Path:
+    from edgerun import paths
+    from edgerun.models.fetch import resolve
+
+    if args.shape and args.model:
+        raise ConfigError("give -m or --shape, not both")
+    if args.shape:
+        return shapes.ensure(args.shape, args.shapes_dir or paths.cache_dir() / "shapes")
+    return resolve(args.model or "qwen2.5-coder-0.5b")
 
 
 def _turns(live: dict, run, repeat: int, say, what: str) -> dict[str, list]:
@@ -84,12 +115,14 @@ def _median_turn(turns: list[dict], key) -> dict:
     return sorted(turns, key=key)[(len(turns) - 1) // 2]
 
 
-def _edgerun_run(model: Path, prompt: str, n: int, threads: int, ctx: int) -> float:
+def _edgerun_run(model: Path, prompt: str, n: int, threads: int, ctx: int, ngl: int) -> float:
+    from edgerun.bench import servers
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "stats.json"
         proc = subprocess.run([sys.executable, "-m", "edgerun.cli", "run", prompt, "-m", str(model), "-n", str(n),
-                               "--temp", "0", "--threads", str(threads), "--gpu-layers", "0", "--ctx", str(ctx),
-                               "--stats-json", str(out)], capture_output=True, text=True)
+                               "--temp", "0", "--threads", str(threads), "--gpu-layers", str(ngl), "--ctx", str(ctx),
+                               "--stats-json", str(out)], capture_output=True, text=True, timeout=servers.TOOL_S)
         if proc.returncode != 0:
             raise EdgerunError(f"edgerun run failed (exit {proc.returncode}): {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
         return json.loads(out.read_text())["decode_tok_s"]
@@ -125,7 +158,7 @@ def _measure_live(live: dict, args, model: Path, threads: int, say) -> dict:
         ours = live[OURS]
         one = lambda: _resumed(ours, lambda: loadgen.run_level(targets[OURS], prompts[:1], 1, 1, args.max_tokens)["decode_tok_s"])
         single = interleave({OURS: one, "edgerun run": lambda: _edgerun_run(model, prompts[0], args.max_tokens,
-                                                                            threads, args.ctx)},
+                                                                            threads, args.ctx, args.ngl)},
                             args.repeat, say)
     return {"figures": figures, "single": single}
 
@@ -144,11 +177,11 @@ def _resumed(server, run):
 
 def measure(args: argparse.Namespace, say) -> dict:
     from edgerun.bench import servers
-    from edgerun.models.fetch import resolve
     from edgerun.settings import physical_cores
 
     names = _sides(args.sides)
-    model, threads = resolve(args.model), args.threads or physical_cores()
+    args.ngl = _gpu_layers(args.gpu_layers)
+    model, threads = _model(args), args.threads or physical_cores()
     parallel = args.parallel or max(max(args.concurrency), args.long_streams + 1 if args.long_prompts else 1)
     binary = servers.llama_tool("llama-server", args.llama_server) if THEIRS in names else None
     batched = servers.llama_tool("llama-batched-bench", args.batched_bench or None) if args.batched_bench is not None else None
@@ -164,11 +197,12 @@ def measure(args: argparse.Namespace, say) -> dict:
                 server.close()
     ceiling = None
     if batched:
-        ceiling = servers.llama_batched_bench(batched, model, threads, args.concurrency, 128, args.max_tokens)
+        ceiling = servers.llama_batched_bench(batched, model, threads, args.concurrency, 128, args.max_tokens, ngl=args.ngl)
         say("llama-batched-bench S_TG: " + ", ".join(f"{b}: {v:.1f}" for b, v in ceiling.items()))
     if args.plot is not None:
         load.plot(got["figures"], args.plot)
-    settings = {"model": args.model, "path": str(model), "threads": threads, "ctx_per_slot": args.ctx,
+    settings = {"model": args.model or (f"shape {args.shape}" if args.shape else "qwen2.5-coder-0.5b"),
+                "path": str(model), "gpu_layers": args.ngl, "threads": threads, "ctx_per_slot": args.ctx,
                 "parallel": parallel, "repeat": args.repeat, "sides": names} | load.settings(args)
     return {"settings": settings, "servers": got["figures"], "edgerun_run": got["single"],
             "batched_bench_tg_tok_s": ceiling, "claims": _claims(got, ceiling, args)}

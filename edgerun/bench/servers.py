@@ -21,6 +21,7 @@ from edgerun.errors import ConfigError, EdgerunError
 
 READY_S = 300.0  # a model load on a slow disk; past it the server is reported as not starting
 STOP_S = 30.0  # the drain a server gets before it is killed
+TOOL_S = 900.0  # a reference tool's whole run (llama-batched-bench, edgerun run): past it, an error
 CHECKOUT_BIN = Path(__file__).resolve().parents[2] / "build" / "bin"
 READY_LINE = "edgerun serve: ready at "
 
@@ -113,12 +114,13 @@ def start_edgerun(model: Path, threads: int, ctx: int, parallel: int, log: Path,
     return server
 
 
-def start_llama_server(binary: str, model: Path, threads: int, ctx: int, parallel: int, log: Path) -> Server:
+def start_llama_server(binary: str, model: Path, threads: int, ctx: int, parallel: int, log: Path, *,
+                       ngl: int = 0) -> Server:
     """llama-server with `parallel` slots of `ctx` tokens each (-c is the total it splits), continuous
     batching, no web UI; ready when /health answers 200 (503 while it loads)."""
     port = free_port()
     cmd = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-           "-tb", str(threads), "-c", str(ctx * parallel), "-np", str(parallel), "-cb", "--no-webui"]
+           "-tb", str(threads), "-c", str(ctx * parallel), "-np", str(parallel), "-cb", "--no-webui", "-ngl", str(ngl)]
     server = Server("llama-server", cmd, log)
     url = f"http://127.0.0.1:{port}"
     _start(server, lambda: url if _health(url) else None)
@@ -133,19 +135,23 @@ def _start(server: Server, ready) -> None:
         raise
 
 
-def llama_batched_bench(binary: str, model: Path, threads: int, batches: list[int], prompt: int, gen: int) -> dict[int, float]:
+def llama_batched_bench(binary: str, model: Path, threads: int, batches: list[int], prompt: int, gen: int, *,
+                        ngl: int = 0) -> dict[int, float]:
     """llama.cpp's own batched decode ceiling: S_TG (generated tok/s over all sequences) per batch
     size, each sequence with a `prompt`-token prompt and `gen` generated tokens."""
     import json
 
     ctx = max(batches) * (prompt + gen) + 64
     cmd = [binary, "-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-b", "2048",
-           "-ub", "512", "-npp", str(prompt), "-ntg", str(gen), "-npl", ",".join(map(str, batches)),
+           "-ub", "512", "-ngl", str(ngl), "-npp", str(prompt), "-ntg", str(gen), "-npl", ",".join(map(str, batches)),
            "--output-format", "jsonl"]
     # its rows go through llama.cpp's asynchronous log, which can drop the last lines at exit:
     # a run that lost a batch size's row is run again (at most three times)
     for _ in range(3):
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TOOL_S)
+        except subprocess.TimeoutExpired:
+            raise EdgerunError(f"llama-batched-bench did not finish in {TOOL_S:.0f} s") from None
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise EdgerunError(f"llama-batched-bench failed (exit {proc.returncode}): {last}")
