@@ -238,3 +238,27 @@ def test_the_serve_scenario_refuses_bad_placement_flags_before_starting(tiny_mod
     proc = _bench("serve", "-m", str(tiny_model), "--sides", "edgerun serve", *argv)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr
     assert not {p.pid for p in _servers_of(tiny_model)} - before
+
+
+def test_a_terminated_serve_scenario_stops_its_server(tiny_model):
+    import signal
+    import time
+
+    before = {p.pid for p in _servers_of(tiny_model)}
+    bench = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "bench", "serve", "-m", str(tiny_model), "--sides",
+                              "edgerun serve", "--concurrency", "1", "--requests", "1000", "--threads", "1", "--ctx",
+                              "256", "--no-run"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started = lambda: {p.pid for p in _servers_of(tiny_model)} - before - {bench.pid}  # noqa: E731
+    try:
+        for _ in range(1200):  # until its server runs (a bound, polled every 0.1 s)
+            if started() or bench.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert started() and bench.poll() is None
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(120) == 128 + signal.SIGTERM
+        assert not started(), "the scenario's server outlived it"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -186,6 +187,8 @@ def measure(args: argparse.Namespace, say) -> dict:
     binary = servers.llama_tool("llama-server", args.llama_server) if THEIRS in names else None
     batched = servers.llama_tool("llama-batched-bench", args.batched_bench or None) if args.batched_bench is not None else None
     live: dict = {}
+    # a SIGTERM to the bench stops its servers too (by default Python dies without its finally blocks)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with tempfile.TemporaryDirectory() as logdir:
         try:
             for name in names:
@@ -195,6 +198,7 @@ def measure(args: argparse.Namespace, say) -> dict:
         finally:
             for server in live.values():
                 server.close()
+            signal.signal(signal.SIGTERM, previous)
     ceiling = None
     if batched:
         ceiling = servers.llama_batched_bench(batched, model, threads, args.concurrency, 128, args.max_tokens, ngl=args.ngl)
