@@ -260,6 +260,23 @@ def test_spec_scenario_on_the_tiny_model(tiny_model, tmp_path, capsys):
     assert "ratio (min-max)" in proc.stdout
 
 
+def test_ngram_scenario_on_the_tiny_model(tiny_model, tmp_path, capsys):
+    doc, proc = _scenario_doc(capsys, tmp_path, "ngram", "-m", str(tiny_model), "--temps", "0,0.7", "-n", "12",
+                              "--repeat", "2", "--pld", "10,4", "--threads", "1")
+    assert doc["settings"]["pld"] == [4, 10] and doc["settings"]["repeat"] == 2
+    rows = {(r["case"], r["temperature"]): r for r in doc["rows"]}
+    assert set(rows) == {(c, t) for c in ("edit", "chat", "codegen") for t in (0.0, 0.7)}
+    assert set(rows["edit", 0.0]["tok_s"]) == {"plain", "ngram", "pld4", "pld10"}
+    assert set(rows["chat", 0.7]["tok_s"]) == {"plain", "ngram"}
+    assert rows["edit", 0.0]["best_pld"] in ("pld4", "pld10")
+    assert len(doc["runs"]) == 2 * 2 * (4 + 2 + 2) and all(r["decode_tok_s"] > 0 for r in doc["runs"])
+    for r in rows.values():
+        for ratio in r["ratios"].values():
+            assert ratio["min"] <= ratio["median"] <= ratio["max"]
+    assert {c["goal"] for c in doc["claims"]} == {">= 1.3", ">= 1.0", ">= 1.5", ">= 0.97"}
+    assert "n-gram / best pld" in proc.stdout
+
+
 def test_round_host_scenario_on_the_tiny_model(tiny_model, tmp_path, capsys):
     doc, _ = _scenario_doc(capsys, tmp_path, "round-host", "-m", str(tiny_model), "-n", "12", "--repeat", "1",
                            "--prompts", "code-edit", "--threads", "1")

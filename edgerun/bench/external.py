@@ -100,7 +100,9 @@ register(Scenario("llama-cpp-python", "edgerun run vs llama-cpp-python's Llama, 
 class PromptLookup:
     """llama-cpp-python's own n-gram speculation (`Llama` with `LlamaPromptLookupDecoding`) on the
     same model file, threads and context as edgerun's side, fed the same prompt tokens. Its
-    `num_pred_tokens` is set per reply; the draft model sees the whole prompt and reply."""
+    `num_pred_tokens` is set per reply; the draft model sees the whole prompt and reply. logits_all
+    is passed too: a draft model turns it on, but the score buffer is sized from the argument
+    (n_batch rows), and a prompt and reply past 512 tokens would overrun it."""
 
     def __init__(self, path: Path, *, n_ctx: int, threads: int):
         from llama_cpp import Llama
@@ -108,7 +110,7 @@ class PromptLookup:
 
         self.draft = LlamaPromptLookupDecoding(num_pred_tokens=10)
         self.llm = Llama(str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                         n_gpu_layers=0, draft_model=self.draft, verbose=False)
+                         n_gpu_layers=0, draft_model=self.draft, logits_all=True, verbose=False)
 
     def reply(self, tokens: list[int], *, num_pred: int, temperature: float, seed: int, max_tokens: int) -> dict:
         """One reply with edgerun's default sampler chain: decode tok/s as ReplyStats counts it
