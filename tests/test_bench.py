@@ -394,3 +394,18 @@ def test_long_context_prompt_is_long(small_model):
     prompt = next(p for p in bench.load_prompts("all") if p.name == "context-long")
     with Model(small_model, vocab_only=True) as model:
         assert len(model.tokenize(prompt.text, add_special=False)) >= 1500
+
+
+def test_resume_scenario_on_the_tiny_model(tiny_model, tmp_path, capsys):
+    doc, proc = _scenario_doc(capsys, tmp_path, "resume", "-m", str(tiny_model), "--draft", str(tiny_model),
+                              "--tokens", "1500", "--ctx", "2048", "--repeat", "2", "--threads", "1", "--gpu-layers", "0")
+    s = doc["settings"]
+    assert 1000 < s["conversation_tokens"] <= 1500 and s["prompt_tokens"] > s["conversation_tokens"]
+    assert s["conversation_tokens"] - 16 <= s["restored_tokens"] <= s["conversation_tokens"]
+    assert set(doc["ttft_s"]) == {"restore", "restore-cold", "prefill"} and all(len(v) == 2 for v in doc["ttft_s"].values())
+    assert doc["outputs"]["restored_equals_in_memory"] is True
+    z = doc["sizes"]
+    assert z["llama_state_bytes"] < z["state_file_bytes"] == doc["draft"]["state_file_bytes"]  # a self-draft: the same state
+    assert set(doc["draft"]["sides"]) == {"draft restore", "draft catch-up"}
+    assert [c["goal"] for c in doc["claims"]] == ["<= 0.1", "<= 0.1", "<= 1.001"]
+    assert "restored replies equal the in-memory conversation's" in proc.stdout
