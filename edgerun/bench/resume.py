@@ -114,6 +114,7 @@ def measure(args: argparse.Namespace, say) -> dict:
         in_memory = [r.token for r in runner.stream(prompt, greedy, max_tokens=args.max_tokens) if isinstance(r, Step)]
         outputs: dict[str, list[list[int]]] = {side: [] for side in SIDES}
         restored: list[int] = []
+        restore_s: list[float] = []  # of the TTFT, the restore alone (read, check, llama.cpp's load)
 
         def side(name: str) -> float:
             runner.ctx.trim(0)
@@ -128,6 +129,7 @@ def measure(args: argparse.Namespace, say) -> dict:
                 if resumed.note or not resumed.tokens:
                     raise ConfigError(f"the saved state was not restored ({resumed.note}); the bench cannot measure it")
                 restored.append(resumed.tokens)
+                restore_s.append(resumed.seconds)
             ttft, tokens, evaluated = None, [], None
             for record in runner.stream(prompt, greedy, max_tokens=args.max_tokens):
                 if isinstance(record, Prefill):
@@ -161,7 +163,7 @@ def measure(args: argparse.Namespace, say) -> dict:
     sizes = {"state_file_bytes": file_bytes, "llama_state_bytes": payload, "kv_bytes": kv_bytes,
              "file_over_llama_state": file_bytes / payload, "file_over_kv": file_bytes / kv_bytes}
     return {"settings": settings, "ttft_s": values, "sides": {n: spread(v) for n, v in values.items()},
-            "outputs": agree, "sizes": sizes, "save_s": spread(save_s), "draft": draft, "load_avg_1m_end": os.getloadavg()[0],
+            "outputs": agree, "sizes": sizes, "save_s": spread(save_s), "restore_s": spread(restore_s), "draft": draft, "load_avg_1m_end": os.getloadavg()[0],
             "claims": [claim("restored / re-prefilled TTFT (page cache warm)", warm, "<= 0.1"),
                        claim("restored / re-prefilled TTFT (state read from disk)", cold, "<= 0.1"),
                        claim("state file / llama.cpp's serialized state", file_bytes / payload, "<= 1.001")]}
