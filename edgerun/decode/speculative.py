@@ -210,8 +210,9 @@ class Speculator:
             # a proposal runs as far as the earlier text does (up to the most one round may take)
             proposal = self.ngram.lookup(self.cfg.k or governor.K_MAX_NGRAM)
             if proposal.tokens:
-                # drafts past the reply's token budget would never be shown
-                decision = self._choose("ngram", min(len(proposal.tokens), max(1, remaining)), match=proposal.match)
+                # the governor drafts nothing past the reply's token budget (never shown); a fixed k is the user's
+                budget = len(proposal.tokens) if self.cfg.k is not None else min(len(proposal.tokens), max(1, remaining))
+                decision = self._choose("ngram", budget, match=proposal.match)
                 self._planned = _Planned("ngram", decision, match=proposal.match)
                 if decision.k == 0:
                     return self._plain(plan, remaining)
