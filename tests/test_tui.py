@@ -32,6 +32,7 @@ def own_state(tmp_path, monkeypatch, small_model):
     """Conversations and settings in a temp dir; models still from the shared cache."""
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("EDGERUN_KV_DIR", str(tmp_path / "kv"))
     prefs = user_settings.UserSettings().replace(temperature=0.0, max_tokens=40)
     user_settings.save(prefs)
 
@@ -215,6 +216,62 @@ async def test_resume_a_saved_conversation_after_restart():
         await send(pilot, app, "What is my name? Answer with one word.")
         await wait_for(pilot, lambda: not app.generating)
         assert "Ada" in replies(app)[-1].text
+
+
+LONG_OPENING = ("Here is my shopping list, one item per line: " + ", ".join(
+    f"item {i}: {name}" for i, name in enumerate(["apples", "bread", "milk", "eggs", "rice", "tea", "soap"] * 6))
+    + ". Reply with just OK.")
+
+
+async def test_a_reopened_conversation_restores_its_kv_state_and_deleting_it_removes_the_state(tmp_path):
+    _save_prefs(max_tokens=8)
+    async with _loaded_app() as (app, pilot):
+        await send(pilot, app, LONG_OPENING)
+        await wait_for(pilot, lambda: not app.generating)
+        conv = app.session.conversation_id
+    with History() as h:
+        (saved,) = h.kv_states(conv)
+    state = tmp_path / "kv" / saved.name
+    assert state.is_file() and saved.n_tokens > 128
+    async with _loaded_app() as (app, pilot):
+        await app.show_conversation(conv)
+        await send(pilot, app, "What is item 3? One word.")
+        await wait_for(pilot, lambda: not app.generating)
+        app.refresh_stats()
+        resumed = app.session.resumed
+        assert resumed.tokens > 128 and resumed.note is None
+        assert f"resumed {resumed.tokens:,} tokens from cache in" in panel_text(app.query_one(StatsPanel))
+        assert app.stats.prompt_evaluated == app.stats.prompt_tokens - resumed.tokens
+        assert "KV cache" not in notes(app)
+        with History() as h:
+            (now,) = h.kv_states(conv)  # the longer conversation's state replaced the first
+        assert now.n_tokens > saved.n_tokens and not state.exists()
+        await pilot.press("f4")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ConversationsScreen")
+        await pilot.click("#delete")
+        await wait_for(pilot, lambda: not (tmp_path / "kv" / now.name).exists(), timeout=10)
+
+
+async def test_a_corrupt_state_is_one_notification_and_the_reply_still_comes(tmp_path):
+    _save_prefs(max_tokens=8)
+    async with _loaded_app() as (app, pilot):
+        await send(pilot, app, LONG_OPENING)
+        await wait_for(pilot, lambda: not app.generating)
+        conv = app.session.conversation_id
+    with History() as h:
+        (saved,) = h.kv_states(conv)
+    state = tmp_path / "kv" / saved.name
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 1
+    state.write_bytes(bytes(data))
+    async with _loaded_app() as (app, pilot):
+        await app.show_conversation(conv)
+        await send(pilot, app, "What is item 3? One word.")
+        await wait_for(pilot, lambda: not app.generating)
+        await wait_for(pilot, lambda: "KV state not used" in notes(app), timeout=10)
+        assert "checksum mismatch" in notes(app)
+        assert replies(app)[-1].status == "done" and replies(app)[-1].text.strip()
+        assert app.stats.prompt_evaluated == app.stats.prompt_tokens
 
 
 async def test_resuming_another_conversation_waits_for_the_reply_to_stop():
