@@ -195,18 +195,21 @@ async def _complete(state: ServerState, request: Request, *, chat: bool) -> Resp
 
 async def _events(job: Job, events: asyncio.Queue) -> AsyncIterator[Delta | Done | Failed]:
     """The job's events until its last; leaving early (a client gone, a task cancelled) cancels it."""
+    first = True
     try:
         while True:
             event = await events.get()
             # text that arrived together goes out together (a reply alone gets a round's tokens
-            # at once): one chunk for the client to parse instead of one per token
-            while isinstance(event, Delta) and not events.empty():
+            # at once): one chunk for the client to parse instead of one per token. Not the first
+            # text: it alone marks the first token (clients time TTFT and TPOT from it)
+            while isinstance(event, Delta) and not first and not events.empty():
                 after = events.get_nowait()
                 if not isinstance(after, Delta):
                     yield event
                     event = after
                     break
                 event = Delta(event.text + after.text)
+            first = False
             yield event
             if not isinstance(event, Delta):
                 return
