@@ -20,10 +20,11 @@
 # --have FILE leaves out distributions the target already has (`pip list --format=freeze` there,
 # or one name a line): a GPU host's image with numpy, matplotlib and cmake then takes about
 # 10 MB of wheels. Random-weight shapes for the GPU scenarios are not packed: they are written
-# where they run (`edgerun bench gpu-shapes`), since a 7B shape is 4.7 GB.
+# where they run (bench/shapes.py, on a scenario's first use), since a 7B shape is 4.7 GB.
 #
 # The sdist is the one pip serves (76 MB), less what a build never reads: llama.cpp's docs, test
-# models and vocabularies, tests, examples and web UI (8 MB compressed). setup.sh applies its
+# models and vocabularies, tests and examples (llama-server's CMake reads tools/ui even with the UI
+# off, so that stays). setup.sh applies its
 # patch (scripts/llama_patches.py) to it at build time; packing checks that the patch applies.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -104,7 +105,7 @@ tar -xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
 src=$(echo "$tmp"/llama_cpp_python-*/)
 (cd "$src" && rm -rf .git docs docker examples tests \
    && cd vendor/llama.cpp && rm -rf .github .devops benches ci conversion docs examples gguf-py media models pocs \
-      skills tests tools/ui convert_*.py)
+      skills tests convert_*.py)
 "$py" "$root/scripts/llama_patches.py" prepare "$src" "$tmp/patched" --version "$llama_version" 2>/dev/null \
   || die "scripts/llama_patches.py does not apply to llama-cpp-python $llama_version"
 tar -czf "$out/llama-cpp-python/llama_cpp_python-$llama_version.tar.gz" -C "$tmp" "$(basename "$src")"
