@@ -66,7 +66,8 @@ class EngineSettings:
 MAX_TOKENS = 512
 DRAFT = "auto"  # the catalog's recommended draft, where it pays
 SPEC_K = "auto"  # draft length: the governor decides
-NGRAM = False  # prompt-lookup drafting
+NGRAM = True  # prompt-lookup drafting: 2-3x on replies that copy (edits), ~0.98-0.99x where nothing repeats
+# (docs/BENCHMARKS.md, bench ngram); the governor turns it down to plain decoding when it does not pay
 SHOW_DRAFT_MARKS = False  # the chat app highlights accepted draft tokens (F5 toggles)
 DEFAULT_SYSTEM_PROMPT: str | None = None  # None: the model's template decides
 KV_CACHE_GIB = 4.0  # saved KV states (resumable conversations and prompts): the directory's cap
