@@ -73,6 +73,12 @@ class ReplyStats:
         return self.prompt_evaluated / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
+    def _evaluated_note(self) -> str:
+        """The prompt rate counts evaluated tokens only: say so when a cached prefix was reused."""
+        skipped = self.prompt_evaluated < self.prompt_tokens
+        return f" ({self.prompt_evaluated} evaluated)" if skipped and self.prefill_s > 0 else ""
+
+    @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
@@ -107,7 +113,7 @@ class ReplyStats:
     def line(self) -> str:
         text = (
             f"{self.generated_tokens} tokens, {self.decode_tok_s:.1f} tok/s, TTFT {self.ttft_s * 1000:.0f} ms,"
-            f" prompt {self.prompt_tokens} tok at {self.prompt_tok_s:.0f} tok/s,"
+            f" prompt {self.prompt_tokens} tok{self._evaluated_note} at {self.prompt_tok_s:.0f} tok/s,"
             f" peak RSS {peak_rss_bytes() / 2**20:.0f} MiB"
         )
         if self.drafted:
