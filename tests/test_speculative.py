@@ -235,8 +235,9 @@ def test_an_ngram_runner_knows_its_costs_before_the_first_reply(small_model):
         r.governors.put("ngram", governor.from_costs(Costs(CHEAP_VERIFY, draft_step_s=0.0), warm_rounds=1))
         _, _, rounds = _run(r.ctx, r.chat_tokens(_user(code)), GREEDY, 64, r.spec_config, r.governors)
         drafted = [x for x in rounds if x.drafter == "ngram" and x.drafted]
-        measuring = [x.decision for x in rounds if x.decision.kind is Kind.MEASURE]
-        assert drafted and len(measuring) <= 1 and all(d.k == 0 for d in measuring), [x.decision for x in rounds]
+        # a measuring round that tries a longer k still drafts; one that only times plain decoding does not
+        idle = [x.decision for x in rounds if x.decision.kind is Kind.MEASURE and x.decision.k == 0]
+        assert drafted and len(idle) <= 1, [x.decision for x in rounds]
 
 
 def test_the_runner_times_a_model_drafts_costs_at_load(small_model):
