@@ -56,7 +56,8 @@ async def serve_app(model: str, n: int) -> None:
     from edgerun.settings import EngineSettings
     from edgerun.tui.app import EdgerunApp
 
-    user_settings.save(user_settings.UserSettings().replace(temperature=0.0, max_tokens=n))
+    # plain decoding on both sides: the claim is what the UI costs, not what drafting gains
+    user_settings.save(user_settings.UserSettings().replace(temperature=0.0, max_tokens=n, ngram=False))
     app = EdgerunApp(model, draft="none", engine=EngineSettings(n_ctx=N_CTX))
     async with app.run_test(size=(140, 45)) as pilot:
         while app.session is None:
