@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass
 
 from edgerun.errors import EngineError
-from edgerun.runtime.engine import Context
+from edgerun.runtime.engine import Context, common_prefix
 from edgerun.runtime.kvstate import (KvStore, SavedState, StateInfo, StateKey, StateUnusable, file_name, llama_build,
-                                     model_identity, shared_prefix)
+                                     model_identity)
 
 # A restore reads the whole file; below this many tokens of gain over what the context already
 # holds (a turn of the same conversation in memory), evaluating them is as quick.
@@ -129,7 +129,7 @@ class StateCache:
             raise
         if expect is not None and info.n_tokens != expect:
             raise StateUnusable(f"it covers {info.n_tokens} tokens, the history says {expect}")
-        shared = shared_prefix(info.tokens, tokens)
+        shared = common_prefix(info.tokens, tokens)
         if shared < held + MIN_GAIN:
             return None  # the prompt leaves the state early (an edited turn): no gain
         try:
@@ -151,7 +151,7 @@ class StateCache:
         out = []
         for role, ctx in self.contexts().items():
             if role == "draft":  # past the common prefix it holds drafts the target rejected
-                ctx.trim(shared_prefix(ctx.held(), target.held()))
+                ctx.trim(common_prefix(ctx.held(), target.held()))
             tokens = list(ctx.held())
             if len(tokens) < self.min_tokens:
                 continue

@@ -355,12 +355,12 @@ class Context:
 
     def shared_prefix(self, tokens: list[int], seq: int = 0) -> int:
         """How many leading tokens of `tokens` the cache already holds."""
-        return _common_prefix(self._seq(seq).tokens, tokens)
+        return common_prefix(self._seq(seq).tokens, tokens)
 
     def sync(self, tokens: list[int], *, need_logits: bool = False, seq: int = 0) -> int:
         """Make the cache hold exactly `tokens`, reusing the longest common prefix; with
         need_logits the last token is evaluated even if cached. Returns how many were evaluated."""
-        keep = _common_prefix(self._seq(seq).tokens, tokens)
+        keep = common_prefix(self._seq(seq).tokens, tokens)
         if need_logits:
             keep = min(keep, len(tokens) - 1)
         self.trim(keep, seq)
@@ -411,7 +411,7 @@ class Context:
         return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a, b) -> int:
     """Length of the shared prefix. The usual case, a cache that is a prefix of the new tokens
     (the next chat turn, a draft catching up), is one list comparison in C."""
     n = len(a)

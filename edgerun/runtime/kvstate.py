@@ -34,6 +34,7 @@ from pathlib import Path
 
 from edgerun import paths
 from edgerun.convert.atomic import atomic_path, sweep
+from edgerun.runtime.engine import common_prefix
 
 MAGIC = b"EDGERKV\x00"
 FORMAT = 1
@@ -297,7 +298,7 @@ class KvStore:
                 info = self.info(path)
             except StateUnusable:
                 continue
-            shared = shared_prefix(info.tokens, tokens)
+            shared = common_prefix(info.tokens, tokens)
             if shared and (best is None or shared > best[1]):
                 best = (info, shared)
         return best
@@ -324,16 +325,6 @@ def _parse_head(head: bytes) -> tuple[dict, int, int]:
     if n < 1:
         raise StateUnusable("its header is damaged", broken=True)
     return header, start + length, n
-
-
-def shared_prefix(a, b) -> int:
-    """How many leading tokens two token sequences share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # ----- keys ---------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from edgerun.decode.generate import Prefill, Step, generate, native_errors, nati
 from edgerun.decode.speculative import Round
 from edgerun.errors import EdgerunError, EngineError
 from edgerun.runner import Runner
-from edgerun.runtime.engine import _common_prefix
+from edgerun.runtime.engine import common_prefix
 from edgerun.serve.metrics import Metrics
 from edgerun.serve.text import ReplyText
 from edgerun.settings import SamplerSettings
@@ -185,7 +185,7 @@ class Scheduler:
         ctx, prompt = self.ctx, job.prompt
         best = max(self._idle, key=lambda s: (ctx.shared_prefix(prompt, s), -s))
         reuse = ctx.shared_prefix(prompt, best)
-        shared, donor = max(((_common_prefix(ctx.held(j.seq), prompt), j.seq) for j in self._active), default=(0, -1))
+        shared, donor = max(((common_prefix(ctx.held(j.seq), prompt), j.seq) for j in self._active), default=(0, -1))
         if shared > reuse + COPY_GAIN:
             seq = min(self._idle, key=lambda s: (len(ctx.held(s)), s))  # the smallest cache makes room
             reuse = min(shared, len(prompt) - 1)
