@@ -34,17 +34,22 @@ def _floats(text: str) -> list[float]:
     return values
 
 
+def _run_args(p: argparse.ArgumentParser, *, tokens: int, repeat: int, what: str) -> None:
+    """The reply and machine settings both speculation scenarios take."""
+    p.add_argument("-n", "--max-tokens", type=count, default=tokens, help=f"tokens per reply (default {tokens})")
+    p.add_argument("--repeat", type=count, default=repeat, help=f"{what} (default {repeat})")
+    p.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
+    p.add_argument("--ctx", type=count, default=4096, help="context size (default 4096)")
+    p.add_argument("--threads", type=count, default=None, help="CPU threads (default: physical cores)")
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default="qwen2.5-coder-1.5b", help="the target (default qwen2.5-coder-1.5b)")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="the draft model (default qwen2.5-coder-0.5b)")
     p.add_argument("--prompts", default="spec", help="shipped set, prompt names or a file (default spec:"
                    " codegen and code-edit)")
     p.add_argument("--temps", type=_floats, default=[0.0, 0.7], metavar="T[,T...]", help="temperatures (default 0,0.7)")
-    p.add_argument("-n", "--max-tokens", type=count, default=128, help="tokens per reply (default 128)")
-    p.add_argument("--repeat", type=count, default=3, help="runs per prompt, temperature and side (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
-    p.add_argument("--ctx", type=count, default=4096, help="context size (default 4096)")
-    p.add_argument("--threads", type=count, default=None, help="CPU threads (default: physical cores)")
+    _run_args(p, tokens=128, repeat=3, what="runs per prompt, temperature and side")
     p.add_argument("--gpu-layers", default="auto", help="target's layers on the GPU: auto, 0 or a count")
 
 
@@ -150,11 +155,7 @@ def ngram_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pld", default=f"{PLD_DEFAULT}", metavar="N[,N...]",
                    help="llama-cpp-python prompt lookup num_pred_tokens settings to run (default 10; the"
                         " best median is 'its best setting')")
-    p.add_argument("-n", "--max-tokens", type=count, default=256, help="tokens per reply (default 256)")
-    p.add_argument("--repeat", type=count, default=5, help="interleaved runs per case and side (default 5)")
-    p.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
-    p.add_argument("--ctx", type=count, default=4096, help="context size (default 4096)")
-    p.add_argument("--threads", type=count, default=None, help="CPU threads (default: physical cores)")
+    _run_args(p, tokens=256, repeat=5, what="interleaved runs per case and side")
     p.add_argument("--cases", default="edit,chat,codegen", help="which cases: edit, chat, codegen (default all)")
 
 
