@@ -223,7 +223,9 @@ LONG_OPENING = ("Here is my shopping list, one item per line: " + ", ".join(
     + ". Reply with just OK.")
 
 
-async def test_a_reopened_conversation_restores_its_kv_state_and_deleting_it_removes_the_state(tmp_path):
+async def _a_saved_conversation(tmp_path):
+    """A conversation with a long opening turn, answered and closed: (its id, its saved state as
+    the history records it, the state file)."""
     _save_prefs(max_tokens=8)
     async with _loaded_app() as (app, pilot):
         await send(pilot, app, LONG_OPENING)
@@ -231,7 +233,11 @@ async def test_a_reopened_conversation_restores_its_kv_state_and_deleting_it_rem
         conv = app.session.conversation_id
     with History() as h:
         (saved,) = h.kv_states(conv)
-    state = tmp_path / "kv" / saved.name
+    return conv, saved, tmp_path / "kv" / saved.name
+
+
+async def test_a_reopened_conversation_restores_its_kv_state_and_deleting_it_removes_the_state(tmp_path):
+    conv, saved, state = await _a_saved_conversation(tmp_path)
     assert state.is_file() and saved.n_tokens > 128
     async with _loaded_app() as (app, pilot):
         await app.show_conversation(conv)
@@ -253,14 +259,7 @@ async def test_a_reopened_conversation_restores_its_kv_state_and_deleting_it_rem
 
 
 async def test_a_corrupt_state_is_one_notification_and_the_reply_still_comes(tmp_path):
-    _save_prefs(max_tokens=8)
-    async with _loaded_app() as (app, pilot):
-        await send(pilot, app, LONG_OPENING)
-        await wait_for(pilot, lambda: not app.generating)
-        conv = app.session.conversation_id
-    with History() as h:
-        (saved,) = h.kv_states(conv)
-    state = tmp_path / "kv" / saved.name
+    conv, saved, state = await _a_saved_conversation(tmp_path)
     data = bytearray(state.read_bytes())
     data[len(data) // 2] ^= 1
     state.write_bytes(bytes(data))
