@@ -310,15 +310,21 @@ def test_convert_scenario_on_a_tiny_checkpoint(tmp_path, capsys):
 
     src = write_tiny_checkpoint(tmp_path / "hf", "qwen2")
     doc, proc = _scenario_doc(capsys, tmp_path, "convert", "--src", str(src), "--work", str(tmp_path / "work"),
-                              "--eval-chunks", "1", "--calib-chunks", "1", "--no-weigh", "--no-prose")
-    assert set(doc["results"]) == {"stock Q3_K_M", "edgerun @Q3_K_M (code calib)", "stock Q2_K",
-                                   "edgerun @Q2_K (code calib)"}
-    for ftype in ("Q3_K_M", "Q2_K"):  # the plan is held to the stock file's size
-        ours, stock = doc["results"][f"edgerun @{ftype} (code calib)"], doc["results"][f"stock {ftype}"]
-        assert abs(ours["size_bytes"] - stock["size_bytes"]) < 0.01 * stock["size_bytes"]
+                              "--eval-chunks", "1", "--calib-chunks", "1", "--no-weigh", "--no-prose",
+                              "--decode-tokens", "4", "--decode-repeat", "1")
+    plans = {f"edgerun @{f} (code calib)" for f in ("Q3_K_M", "Q2_K")} | {f"edgerun k-quants @{f}" for f in ("Q3_K_M", "Q2_K")}
+    assert set(doc["results"]) == {f"stock {f}" for f in ("Q3_K_M", "Q2_K", "IQ3_XXS", "IQ2_M")} | plans
+    res = doc["results"]
+    for ftype in ("Q3_K_M", "Q2_K"):  # the plans are held to the stock file's size
+        for name in (f"edgerun @{ftype} (code calib)", f"edgerun k-quants @{ftype}"):
+            assert abs(res[name]["size_bytes"] - res[f"stock {ftype}"]["size_bytes"]) < 0.01 * res[f"stock {ftype}"]["size_bytes"]
+    assert all(r["decode_tok_s"]["median"] > 0 for r in res.values())
+    best = {f: min((s for s in ("Q3_K_M", "Q2_K", "IQ3_XXS", "IQ2_M")
+                    if res[f"stock {s}"]["size_bytes"] <= res[f"stock {f}"]["size_bytes"]),
+                   key=lambda s: res[f"stock {s}"]["kld_mean"]) for f in ("Q3_K_M", "Q2_K")}
     assert [c["median"] for c in doc["claims"]] == pytest.approx(
-        [doc["results"][f"edgerun @{f} (code calib)"]["kld_mean"] / doc["results"][f"stock {f}"]["kld_mean"]
-         for f in ("Q3_K_M", "Q2_K")])
+        [res[f"edgerun @{f} (code calib)"]["kld_mean"] / res[f"stock {best[f]}"]["kld_mean"] for f in ("Q3_K_M", "Q2_K")]
+        + [res[f"edgerun k-quants @{f}"]["kld_mean"] / res[f"stock {f}"]["kld_mean"] for f in ("Q3_K_M", "Q2_K")])
     assert "mean KLD" in proc.stdout and doc["convert"] is None
 
 

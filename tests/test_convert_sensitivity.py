@@ -111,8 +111,8 @@ def test_types_ggml_cannot_make_are_refused_not_fatal(tensors):
         _native.quant_error(int(Q.IQ2_XXS), w, None, 1)  # ggml itself would abort the process
     with pytest.raises(ValueError, match="cannot quantize to q8_K"):
         _native.quant_error(int(Q.Q8_K), w, None, 1)
-    with pytest.raises(ConvertError, match="leave IQ2_XXS out"):
-        tensor_cost(tensors["blk.0.ffn_down.weight"], None, ["IQ2_XXS"], max_rows=4, n_threads=1)
+    # without the tensor's importance, the i-quants llama.cpp refuses to make are no candidates
+    assert tensor_cost(tensors["blk.0.ffn_down.weight"], None, ["IQ2_XXS"], max_rows=4, n_threads=1).errors == {}
 
 
 def test_sizes_come_from_ggml_block_layout():

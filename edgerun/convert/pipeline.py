@@ -38,6 +38,10 @@ EVAL_TEXT = CALIB_DIR / "eval_code.txt"  # held out: no file in common with code
 # The types a tensor may get. Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL have 32-blocks, for rows that are not whole
 # 256-blocks of the k-quants (e.g. the 896-wide rows of Qwen2.5-0.5B).
 CANDIDATE_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
+# llama.cpp's i-quants (256-blocks, lattice codebooks searched with the importance matrix): more
+# accurate per byte than the k-quants at 2-4 bpw, but some decode slower on CPUs. Measured and
+# cached apart from CANDIDATE_TYPES, so turning them on or off reuses the other measurements.
+I_QUANTS = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS")
 _CACHE_VERSION = 2  # bump when an intermediate's format or meaning changes
 
 
@@ -57,6 +61,7 @@ class ConvertOptions:
     calib_chunks: int | None = None
     types: tuple[str, ...] = CANDIDATE_TYPES
     weigh: bool = True  # measure each role's KLD per unit of error (gains.py); off: all roles weigh 1
+    i_quants: bool = True  # also let the plan pick I_QUANTS (off: --k-quants-only)
     max_rows: int | None = 256
     n_threads: int | None = None
     work_dir: Path | None = None  # default: <cache>/convert
@@ -200,17 +205,29 @@ def cached_imatrix(f16: Path, opts: ConvertOptions, work: Path, progress: Progre
 
 def cached_costs(f16: Path, imatrix, imatrix_key: str, opts: ConvertOptions, work: Path,
                  progress: Progress | None) -> list[TensorCost]:
-    """Every candidate type's error for every quantizable tensor, computed once per input."""
+    """Every candidate type's error for every quantizable tensor, computed once per input: the
+    base types (opts.types) and, unless --k-quants-only, the i-quants, each cached on its own."""
+    costs = _cached_cost_group(f16, imatrix, imatrix_key, opts, tuple(opts.types), work, progress, "sensitivity")
+    extra = tuple(t for t in I_QUANTS if t not in opts.types) if opts.i_quants else ()
+    if extra:
+        more = {c.name: c for c in _cached_cost_group(f16, imatrix, imatrix_key, opts, extra, work, progress,
+                                                      "sensitivity (i-quants)")}
+        costs = [dataclasses.replace(c, errors={**c.errors, **more[c.name].errors}) for c in costs]
+    return costs
+
+
+def _cached_cost_group(f16: Path, imatrix, imatrix_key: str, opts: ConvertOptions, types: tuple[str, ...],
+                       work: Path, progress: Progress | None, label: str) -> list[TensorCost]:
     from edgerun.convert.sensitivity import measure
 
-    key = _key("costs", _file_id(f16), imatrix_key, list(opts.types), opts.max_rows)
+    key = _key("costs", _file_id(f16), imatrix_key, list(types), opts.max_rows)
     path = work / f"costs-{key}.json"
     if path.is_file():
         if progress:
-            progress("sensitivity (cached)", 1, 1)
+            progress(f"{label} (cached)", 1, 1)
         return [_cost_from_json(d) for d in json.loads(path.read_text())]
-    costs = measure(f16, imatrix, opts.types, max_rows=opts.max_rows, n_threads=opts.n_threads,
-                    progress=progress)
+    costs = measure(f16, imatrix, types, max_rows=opts.max_rows, n_threads=opts.n_threads,
+                    progress=(lambda _label, done, total: progress(label, done, total)) if progress else None)
     costs = relative_costs(costs)
     report.write_text_atomic(path, json.dumps([asdict(c) for c in costs]))
     return costs
@@ -229,14 +246,17 @@ def relative_costs(costs: Sequence[TensorCost]) -> list[TensorCost]:
 
 def cached_gains(f16: Path, imatrix, imatrix_key: str, costs: Sequence[TensorCost], opts: ConvertOptions,
                  work: Path, progress: Progress | None) -> dict[str, float]:
-    """Each tensor role's measured KLD per unit of relative error, computed once per input."""
+    """Each tensor role's measured KLD per unit of relative error, computed once per input. The
+    probes use the base types only: a gain is a property of the role, and probing with the
+    i-quants' extremes would change the measurement, not the role."""
     key = _key("gains", _file_id(f16), imatrix_key, list(opts.types), opts.max_rows, opts.n_ctx, gains.PROBE_CHUNKS)
     path = work / f"gains-{key}.json"
     if path.is_file():
         if progress:
             progress("weigh roles (cached)", 1, 1)
         return json.loads(path.read_text())
-    measured = gains.measure(f16, costs, calibration_text(opts.calib), work=work / "probe", imatrix=imatrix,
+    base = [dataclasses.replace(c, errors={t: e for t, e in c.errors.items() if t in opts.types}) for c in costs]
+    measured = gains.measure(f16, base, calibration_text(opts.calib), work=work / "probe", imatrix=imatrix,
                              n_ctx=opts.n_ctx, n_threads=opts.n_threads, progress=progress)
     report.write_text_atomic(path, json.dumps(measured, indent=1))
     return measured

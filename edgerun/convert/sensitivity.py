@@ -25,6 +25,10 @@ Progress = Callable[[str, int, int], None]
 # positional or token-type embeddings.
 _NEVER = ("_norm.weight", "ffn_gate_inp.weight", "altup", "laurel", "per_layer_model_proj", "ssm_conv1d")
 _NEVER_EXACT = ("position_embd.weight", "token_types.weight")
+# Types llama.cpp refuses to make without a tensor's importance (its quantizer bails out: "the
+# result will be garbage"; ggml asserts for the 2-bit ones): a candidate only where the imatrix
+# has the tensor.
+NEEDS_IMATRIX = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS"})
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ def tensor_cost(tensor: gguf.ReaderTensor, imatrix: Imatrix | None, types: Seque
     scale = 1.0 / len(rows) if lookup else n_rows / len(rows)
     errors = {}
     for t in types:
-        if row_len % block_size(t) == 0:
+        if row_len % block_size(t) == 0 and (imp is not None or t not in NEEDS_IMATRIX):
             try:
                 errors[t] = _native.quant_error(int(_qtype(t)), w, imp, n_threads) * scale
             except ValueError as e:  # a type ggml cannot make (here): say which

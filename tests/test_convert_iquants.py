@@ -1,0 +1,81 @@
+"""The i-quants as plan candidates: measured only where llama.cpp can make them (rows of whole
+256-blocks; the imatrix-only ones where the imatrix has the tensor), cached apart from the k-quants
+so --k-quants-only reuses the other measurements, and chosen by the plan where they pay."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+
+from edgerun.convert import pipeline, plan
+from edgerun.convert.calibrate import Imatrix
+from edgerun.convert.sensitivity import NEEDS_IMATRIX, measure
+
+WIDE, NARROW = "blk.0.ffn_down.weight", "blk.0.attn_q.weight"
+# ggml builds the 2-bit i-quants' lattice tables on first use (seconds on this CPU): the fast tests
+# take the 3- and 4-bit ones; the 2-bit ones are covered by the model-tier conversions
+CHEAP = ("IQ3_XXS", "IQ3_S", "IQ4_XS")
+
+
+@pytest.fixture(scope="module")
+def f16(tmp_path_factory):
+    """A GGUF of two weights: rows of 512 (two 256-blocks) and of 96 (three 32-blocks)."""
+    path = tmp_path_factory.mktemp("iq") / "two.gguf"
+    rng = np.random.default_rng(3)
+    writer = gguf.GGUFWriter(path, "qwen2")
+    writer.add_tensor(WIDE, (rng.standard_normal((16, 512)) * 0.05).astype(np.float16))
+    writer.add_tensor(NARROW, (rng.standard_normal((8, 96)) * 0.05).astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def imatrix_for(*names: str) -> Imatrix:
+    rng = np.random.default_rng(4)
+    widths = {WIDE: 512, NARROW: 96}
+    return Imatrix(values={n: rng.uniform(0.5, 2.0, widths[n]).astype(np.float32) for n in names}, tokens=1, chunks=1)
+
+
+def test_i_quants_are_measured_where_llama_cpp_can_make_them(f16):
+    assert set(CHEAP) < set(pipeline.I_QUANTS) and "IQ3_XXS" in NEEDS_IMATRIX
+    types = pipeline.CANDIDATE_TYPES + CHEAP
+    costs = {c.name: c for c in measure(f16, imatrix_for(WIDE, NARROW), types, n_threads=1)}
+    assert set(CHEAP) <= set(costs[WIDE].errors)  # 512 = two 256-blocks
+    assert not set(CHEAP) & set(costs[NARROW].errors)  # 96: 32-blocks only (fallback per tensor)
+    assert "IQ4_NL" in costs[NARROW].errors and "Q4_0" in costs[NARROW].errors
+    errs = costs[WIDE].errors
+    assert errs["Q2_K"] > errs["IQ3_XXS"] > errs["IQ3_S"] > errs["IQ4_XS"] > 0  # more bits, less error
+
+    # no importance for the tensor: the imatrix-only types are no candidates, the others are
+    without = {c.name: c for c in measure(f16, imatrix_for(NARROW), types, n_threads=1)}[WIDE].errors
+    assert "IQ3_XXS" not in without and {"IQ3_S", "IQ4_XS"} <= set(without)
+
+
+def test_k_quants_only_reuses_the_cached_measurements(f16, tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "I_QUANTS", CHEAP)
+    imatrix = imatrix_for(WIDE, NARROW)
+    opts = pipeline.ConvertOptions(src=str(f16), output=tmp_path / "o.gguf", quant="Q4_K_M", n_threads=1)
+    seen = []
+    both = pipeline.cached_costs(f16, imatrix, "k", opts, tmp_path, lambda label, d, t: seen.append(label))
+    assert seen[-1] == "sensitivity (i-quants)" and "sensitivity" in seen
+    seen.clear()
+    k_only = pipeline.cached_costs(f16, imatrix, "k", dataclasses.replace(opts, i_quants=False),
+                                   tmp_path, lambda label, d, t: seen.append(label))
+    assert seen == ["sensitivity (cached)"]
+    wide = {c.name: c for c in k_only}[WIDE]
+    assert not set(pipeline.I_QUANTS) & set(wide.errors)
+    assert {c.name: c for c in both}[WIDE].errors == {**wide.errors, **{
+        t: e for t, e in {c.name: c for c in both}[WIDE].errors.items() if t in pipeline.I_QUANTS}}
+
+    # at 3.1 bits per weight for the wide tensor the k-quants offer Q2_K, the i-quants IQ3_XXS:
+    # the plan takes the i-quant, which is more accurate, unless told k-quants only
+    narrow = {c.name: c for c in both}[NARROW]
+    budget = int(512 * 16 * 3.1 / 8 + min(plan.type_nbytes(t, narrow.n_elements) for t in narrow.errors))
+    chosen, k_chosen = plan.choose(both, budget), plan.choose(k_only, budget)
+    assert chosen.types[WIDE] == "IQ3_XXS" and k_chosen.types[WIDE] == "Q2_K"
+    assert chosen.error < k_chosen.error and max(chosen.nbytes, k_chosen.nbytes) <= budget
