@@ -74,6 +74,11 @@ def _add_model_args(p: argparse.ArgumentParser, *, positional: bool = False) -> 
                    help="draft model: a catalog name or path, auto (the catalog's recommended draft where it pays), none")
     p.add_argument("--spec-k", default="auto", help="draft tokens per round: auto (the governor) or a number")
     p.add_argument("--ngram", action="store_true", help="prompt-lookup drafting (no model; pays when replies repeat the prompt)")
+    p.add_argument("--rpc", default=e.rpc, metavar="HOST:PORT[,...]",
+                   help="also place the model's layers on these `edgerun rpc-server`s (ggml's RPC backend)")
+    p.add_argument("--rpc-timeout", type=_number(1), default=e.rpc_timeout_s, metavar="S",
+                   help=f"seconds an rpc server may stay silent in a request before the reply ends with an error"
+                        f" (default {e.rpc_timeout_s:g})")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -189,10 +194,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="backend, hardware, models, and the offload plan")
     p.add_argument("-m", "--model", default=None)
+    p.add_argument("--rpc", default="", metavar="HOST:PORT[,...]", help="plan with these rpc servers' devices too")
+
+    p = sub.add_parser("rpc-server", help="lend this machine's GPU (else CPU) to another edgerun's --rpc",
+                       description="Serves this machine's backend through ggml's RPC server until Ctrl-C. ggml's RPC"
+                       " protocol has no authentication or encryption: bind to 127.0.0.1 (the default) or a"
+                       " trusted network only.")
+    _add_rpc_server_args(p)
 
     p = sub.add_parser("convert", help="an HF checkpoint or F16 GGUF into mixed k-quants chosen by measurement")
     _add_convert_args(p)
     return parser
+
+
+def _add_rpc_server_args(p: argparse.ArgumentParser) -> None:
+    from edgerun.runtime import rpc
+
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; any other is"
+                   " reachable without authentication)")
+    p.add_argument("--port", type=_number(1, 65535, whole=True), default=rpc.DEFAULT_PORT,
+                   help=f"TCP port (default {rpc.DEFAULT_PORT})")
+    p.add_argument("--mem", type=_number(0, low_open=True), default=None, metavar="GIB",
+                   help="GiB the server reports and allocates at most (default: the device's free memory)")
+    p.add_argument("--threads", type=_at_least_one, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--cache", type=Path, default=None, metavar="DIR",
+                   help="keep tensors clients sent here, so a reload sends only their hashes")
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -230,6 +256,12 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--no-weigh", dest="weigh", action="store_false",
                    help="skip measuring each tensor role's effect on KLD (faster; plans on raw errors)")
+    p.add_argument("--k-quants-only", action="store_true",
+                   help="leave llama.cpp's i-quants (IQ2_XXS..IQ4_XS) out of the plan: they are more accurate per"
+                   " byte at 2-4 bpw but some decode slower on CPUs")
+    p.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                   help="also draw the plan against llama.cpp's stock recipes (mean KLD vs size) into this PNG;"
+                   " quantizes and evaluates the stock recipes too")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -249,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from edgerun import commands
 
-        return getattr(commands, f"cmd_{args.command}")(args)
+        return getattr(commands, f"cmd_{args.command.replace('-', '_')}")(args)
     except EdgerunError as exc:
         print(f"edgerun: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -29,6 +29,7 @@ def _engine_settings(args) -> defaults.EngineSettings:
     return defaults.EngineSettings().replace(
         n_ctx=args.ctx, n_batch=args.n_batch, n_threads=args.threads, gpu_layers=args.gpu_layers,
         max_vram=int(args.max_vram * 2**30) if args.max_vram is not None else None,
+        rpc=args.rpc, rpc_timeout_s=args.rpc_timeout,
     )
 
 
@@ -388,8 +389,14 @@ def cmd_rm(args) -> int:
 def cmd_doctor(args) -> int:
     from edgerun import doctor
 
-    print(doctor.report(args.model or catalog.load().default_target))
+    print(doctor.report(args.model or catalog.load().default_target, args.rpc))
     return 0
+
+
+def cmd_rpc_server(args) -> int:
+    from edgerun import rpc_server
+
+    return rpc_server.run(args)
 
 
 def cmd_bench(args) -> int:
@@ -495,6 +502,8 @@ def cmd_convert(args) -> int:
     print(result.table(), flush=True)
     if opts.report_path:
         _err(f"report: {opts.report_path}")
+    if opts.plot:
+        _err(f"plot: {opts.plot}")
     return 0
 
 
@@ -512,7 +521,7 @@ def _convert_options(args):
     try:
         options = dict(src=args.src, output=args.output, quant=args.quant, keep_f16=args.keep_f16,
                        report_path=args.report, calib=calib or pipeline.ConvertOptions.calib,
-                       weigh=args.weigh)
+                       weigh=args.weigh, i_quants=not args.k_quants_only, plot=args.plot)
         if args.bpw is not None:
             options["bpw"] = _number("--bpw", args.bpw, float)
         if args.size is not None:

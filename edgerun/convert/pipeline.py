@@ -42,6 +42,11 @@ CANDIDATE_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1
 # accurate per byte than the k-quants at 2-4 bpw, but some decode slower on CPUs. Measured and
 # cached apart from CANDIDATE_TYPES, so turning them on or off reuses the other measurements.
 I_QUANTS = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS")
+# llama.cpp's stock recipes the plan can be compared with (--plot): the nearest smaller and larger
+# one, and the next ones while within STOCK_SPAN of the plan's size, are quantized with the same
+# imatrix and evaluated beside it.
+STOCK_RECIPES = ("IQ2_M", "Q2_K", "IQ3_XXS", "Q3_K_M", "IQ4_XS", "Q4_K_M", "Q5_K_M", "Q6_K")
+STOCK_SPAN = (0.6, 1.5)
 _CACHE_VERSION = 2  # bump when an intermediate's format or meaning changes
 
 
@@ -62,6 +67,8 @@ class ConvertOptions:
     types: tuple[str, ...] = CANDIDATE_TYPES
     weigh: bool = True  # measure each role's KLD per unit of error (gains.py); off: all roles weigh 1
     i_quants: bool = True  # also let the plan pick I_QUANTS (off: --k-quants-only)
+    compare_stock: bool = False  # also quantize and evaluate the stock recipes near the plan's size
+    plot: Path | None = None  # draw the plan against them (KLD vs size) into this PNG; implies compare_stock
     max_rows: int | None = 256
     n_threads: int | None = None
     work_dir: Path | None = None  # default: <cache>/convert
@@ -82,7 +89,9 @@ def check(opts: ConvertOptions) -> None:
     if not opts.src.startswith("hf://") and not Path(opts.src).expanduser().exists():
         raise ConvertError(f"{opts.src}: no such file or directory; give an HF checkpoint directory, "
                            "hf://org/repo or an F16/BF16/F32 GGUF")
-    for path in (opts.output, opts.report_path, opts.keep_f16):
+    if (opts.plot or opts.compare_stock) and not opts.eval_chunks:
+        raise ConvertError("comparing with the stock recipes (--plot) needs the quality evaluation; drop --eval-chunks 0")
+    for path in (opts.output, opts.report_path, opts.keep_f16, opts.plot):
         if path is not None and not Path(path).expanduser().resolve().parent.is_dir():
             raise ConvertError(f"{path}: its directory does not exist; create it first")
     calibration_text(opts.calib)
@@ -138,12 +147,18 @@ def convert(opts: ConvertOptions, *, progress: Progress | None = None) -> report
     with clock("quantize"):
         quantize(f16, Path(opts.output), ftype=base, overrides=chosen.types, imatrix=imatrix,
                  n_threads=opts.n_threads, progress=progress)
-    quality = None
+    quality, stock = None, {}
+    if opts.plot or opts.compare_stock:
+        with clock("stock"):
+            stock = cached_stock(f16, imatrix, imatrix_key, opts, work, budget, inventory, progress)
     if opts.eval_chunks:
         with clock("evaluate"):
-            quality = report.evaluate(f16, Path(opts.output), Path(opts.eval_text).read_text(encoding="utf-8"),
-                                      n_ctx=opts.n_ctx, max_chunks=opts.eval_chunks,
-                                      n_threads=opts.n_threads, progress=progress)
+            qualities = report.evaluate_many(f16, [Path(opts.output), *stock.values()],
+                                             Path(opts.eval_text).read_text(encoding="utf-8"),
+                                             n_ctx=opts.n_ctx, max_chunks=opts.eval_chunks,
+                                             n_threads=opts.n_threads, progress=progress)
+        quality = qualities[0]
+        stock = {ftype: _stock_summary(path, q) for (ftype, path), q in zip(stock.items(), qualities[1:])}
     result = report.build(
         Path(opts.output), quality, source=opts.src, f16=str(f16), calib=list(opts.calib),
         eval_text=str(opts.eval_text), budget_bytes=budget, base_ftype=base,
@@ -152,10 +167,47 @@ def convert(opts: ConvertOptions, *, progress: Progress | None = None) -> report
         role_gains=role_gains,
         imatrix={"tokens": imatrix.tokens, "chunks": imatrix.chunks},
         timings_s=timings, peak_rss_bytes=peak_rss_bytes(),
+        **({"stock": stock} if stock else {}),
     )
     if opts.report_path:
         result.write(Path(opts.report_path))
+    if opts.plot:
+        from edgerun.convert.plot import plot
+
+        plot(result.to_json(), Path(opts.plot).expanduser())
     return result
+
+
+def cached_stock(f16: Path, imatrix, imatrix_key: str, opts: ConvertOptions, work: Path, budget: int,
+                 inv: "Inventory", progress: Progress | None) -> dict[str, Path]:
+    """llama.cpp's stock recipes around the plan's tensor bytes (see STOCK_RECIPES), each quantized
+    once per input with the same imatrix: {ftype: path}.
+    The i-quant recipes only when the plan may use i-quants."""
+    from edgerun.convert.quantize import quantize
+
+    recipes = [f for f in STOCK_RECIPES if opts.i_quants or not f.startswith("IQ")]
+    sizes = {f: planner.budget_for_types(stock_types(f16, f), inv.n_elements) for f in recipes}
+    below = sorted((f for f in recipes if sizes[f] <= budget), key=sizes.get)
+    above = sorted((f for f in recipes if sizes[f] > budget), key=sizes.get)
+    # the nearest on each side always, the next ones while within STOCK_SPAN: at most 2 + 2
+    keep = set(below[-1:] + above[:1])
+    keep |= {f for f in below[-2:] + above[:2] if STOCK_SPAN[0] * budget <= sizes[f] <= STOCK_SPAN[1] * budget}
+    out = {}
+    for ftype in sorted(keep, key=sizes.get):
+        path = work / f"stock-{ftype}-{_key('stock', _file_id(f16), imatrix_key, ftype)}.gguf"
+        if not path.is_file():
+            if progress:
+                progress(f"stock {ftype}", 0, 1)
+            quantize(f16, path, ftype=ftype, overrides={}, imatrix=imatrix, n_threads=opts.n_threads)
+        if progress:
+            progress(f"stock {ftype}", 1, 1)
+        out[ftype] = path
+    return out
+
+
+def _stock_summary(path: Path, q: report.Quality) -> dict:
+    doc = report.build(path, q).to_json()
+    return {k: doc[k] for k in ("size_bytes", "bpw", "kld_mean", "kld_p99", "top1_agreement", "ppl", "ppl_ref")}
 
 
 class _Clock:

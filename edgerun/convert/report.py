@@ -227,6 +227,11 @@ class Report:
             lines.append(f"vs reference on {q.n_positions} held-out positions: mean KLD {q.kld_mean:.5f} "
                          f"(p99 {q.kld_p99:.4f}), top-1 agreement {q.top1_agreement:.2%}, "
                          f"perplexity {q.ppl:.3f} (reference {q.ppl_ref:.3f})")
+        if self.details.get("stock"):
+            from edgerun.convert.plot import text_chart
+
+            lines += ["", "against llama.cpp's stock recipes (same imatrix; bar: log mean KLD):",
+                      *text_chart(self.to_json())]
         lines += ["", *type_table(self.tensors)]
         return "\n".join(lines)
 
