@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_sampling_args(p)
     p.add_argument("--raw", action="store_true", help="skip the chat template")
+    p.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                   help="the reply is JSON valid for this schema (a file, or the schema inline)")
+    p.add_argument("--grammar", default=None, metavar="FILE", help="the reply matches this GBNF grammar (llama.cpp's format)")
     p.add_argument("--stats-json", type=Path, default=None, help="write the reply's stats as JSON here")
     _add_kv_cache_arg(p)
 

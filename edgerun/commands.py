@@ -85,9 +85,24 @@ def _stream_to(out, records, stats: ReplyStats) -> str:
     return "".join(parts)
 
 
+def _constraint(args):
+    """--json-schema or --grammar as a Constraint (None: neither); a bad schema fails here, before
+    the model loads (a grammar llama.cpp refuses, when the reply starts)."""
+    from edgerun.decode import constrain
+
+    if args.json_schema is not None and args.grammar is not None:
+        raise ConfigError("give one of --json-schema and --grammar, not both")
+    if args.json_schema is not None:
+        return constrain.json_schema(constrain.schema_arg(args.json_schema))
+    if args.grammar is not None:
+        return constrain.gbnf(constrain.read_text(args.grammar, "--grammar"), f"the grammar in {args.grammar}")
+    return None
+
+
 def cmd_run(args) -> int:
     if args.raw and args.system:
         raise ConfigError("--system has no effect with --raw (no chat template); drop one of them")
+    constraint = _constraint(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     with _open_runner(args) as runner:
         if args.raw:
@@ -100,8 +115,8 @@ def cmd_run(args) -> int:
         stats = ReplyStats()
         cancel = threading.Event()
         with _sigint_sets(cancel):
-            _stream_to(sys.stdout, runner.stream(tokens, _sampler_settings(args),
-                                                 max_tokens=args.max_tokens, cancel=cancel), stats)
+            _stream_to(sys.stdout, runner.stream(tokens, _sampler_settings(args), max_tokens=args.max_tokens,
+                                                 cancel=cancel, constraint=constraint), stats)
         sys.stdout.write("\n")
         sys.stdout.flush()
         # the prompt's state, for a later run that starts the same way (a long --system or file);

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from edgerun.errors import ConfigError
+from edgerun.decode.constrain import Constraint
 from edgerun.decode.generate import Prefill, Step, generate
 from edgerun.decode import governor
 from edgerun.decode.governor import Costs, GovernorMemory
@@ -243,8 +244,12 @@ class Runner:
         *,
         max_tokens: int,
         cancel: threading.Event | None = None,
+        constraint: Constraint | None = None,
     ) -> Iterator[Prefill | Step | Round]:
-        return generate(self.ctx, tokens, sampling, max_tokens=max_tokens, cancel=cancel,
+        """`constraint`: a grammar the reply must match (decode/constrain.py); checked here, before
+        the prompt is evaluated."""
+        grammar = constraint.start(self.ctx.address) if constraint is not None else None
+        return generate(self.ctx, tokens, sampling, max_tokens=max_tokens, cancel=cancel, grammar=grammar,
                         spec_config=self.spec_config, memory=self.governors)
 
 

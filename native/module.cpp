@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "gguf.h"
+#include "grammar.hpp"
 #include "imatrix.hpp"
 #include "quant.hpp"
 #include "round.hpp"
@@ -59,7 +60,8 @@ py::array_t<float> py_distribution(FloatArray logits, const std::vector<int32_t>
 
 // verify() on arrays: rows (m+1, V) target logits, q (m, V) draft distributions or None.
 py::tuple py_verify(FloatArray rows, const std::vector<int32_t>& drafts, py::object q_obj,
-                    const std::vector<int32_t>& history, const SamplerParams& p, const std::string& rule, Rng& rng) {
+                    const std::vector<int32_t>& history, const SamplerParams& p, const std::string& rule, Rng& rng,
+                    Grammar* grammar) {
     if (rows.ndim() != 2 || rows.shape(0) != static_cast<py::ssize_t>(drafts.size() + 1))
         throw std::invalid_argument("rows must be (len(drafts) + 1, n_vocab)");
     const int n_vocab = static_cast<int>(rows.shape(1));
@@ -72,7 +74,9 @@ py::tuple py_verify(FloatArray rows, const std::vector<int32_t>& drafts, py::obj
             throw std::invalid_argument("q must be (len(drafts), n_vocab)");
         for (py::ssize_t i = 0; i < qa.shape(0); ++i) q.emplace_back(qa.data(i, 0), qa.data(i, 0) + n_vocab);
     }
-    const Verdict v = verify(ptrs, n_vocab, drafts, q, history, p, rule_of(rule), rng);
+    if (grammar && n_vocab != llama_vocab_n_tokens(grammar->vocab()))
+        throw std::invalid_argument("rows must have one logit per token of the grammar's vocabulary");
+    const Verdict v = verify(ptrs, n_vocab, drafts, q, history, p, rule_of(rule), rng, grammar);
     return py::make_tuple(v.accepted, v.next);
 }
 
@@ -130,6 +134,10 @@ void bind_round(py::module_& m) {
         .def_readwrite("in_flight", &RoundPlan::in_flight)
         .def_readwrite("overlap", &RoundPlan::overlap)
         .def_readwrite("cap_ends_reply", &RoundPlan::cap_ends_reply)
+        // the plan keeps its grammar object alive: the round runs on the raw pointer
+        .def_property("grammar", py::cpp_function([](const RoundPlan& p) { return p.grammar; },
+                                                  py::return_value_policy::reference),
+                      py::cpp_function([](RoundPlan& p, Grammar* g) { p.grammar = g; }, py::keep_alive<1, 2>()))
         .def("__repr__", [](const RoundPlan& p) {
             return "RoundPlan(seq=" + std::to_string(p.seq) + ", last=" + std::to_string(p.last) +
                    ", target_n_past=" + std::to_string(p.target_n_past) + ", k=" + std::to_string(p.k) +
@@ -164,6 +172,35 @@ void bind_round(py::module_& m) {
         });
     m.def("round", &py_round, py::arg("plan"), py::arg("rng"),
           "One speculative round (a plain step or stretch when plan.k is 0).");
+}
+
+void bind_grammar(py::module_& m) {
+    py::class_<Grammar>(m, "Grammar", "A GBNF grammar's state along one token sequence (native/grammar.hpp).")
+        .def(py::init([](uintptr_t ctx, const std::string& gbnf, const std::string& root,
+                         const std::vector<std::string>& triggers) {
+                 return new Grammar(llama_model_get_vocab(llama_get_model(as_ctx(ctx))), gbnf, root, triggers);
+             }), py::arg("ctx"), py::arg("gbnf"), py::arg("root") = "root",
+             py::arg("trigger_patterns") = std::vector<std::string>{})
+        .def("copy", [](const Grammar& g) { return new Grammar(g); })
+        .def("allows", &Grammar::allows, py::arg("token"))
+        .def("allowed", [](Grammar& g, std::vector<int32_t> ids) { g.filter(ids); return ids; }, py::arg("tokens"),
+             "The allowed tokens among `tokens`, in order.")
+        .def("accept", &Grammar::accept, py::arg("token"))
+        .def("masked_distribution", [](Grammar& g, FloatArray logits, const std::vector<int32_t>& history,
+                                       const SamplerParams& p) {
+            if (p.greedy()) throw std::invalid_argument("distribution needs temperature > 0");
+            if (logits.size() != llama_vocab_n_tokens(g.vocab()))
+                throw std::invalid_argument("one logit per token of the grammar's vocabulary");
+            std::vector<float> out;
+            masked_distribution(logits.data(), static_cast<int>(logits.size()), history, p, g, out);
+            return py::array_t<float>(out.size(), out.data());
+        }, py::arg("logits"), py::arg("history"), py::arg("params"))
+        .def("masked_greedy", [](Grammar& g, FloatArray logits, const std::vector<int32_t>& history,
+                                 const SamplerParams& p) {
+            if (logits.size() != llama_vocab_n_tokens(g.vocab()))
+                throw std::invalid_argument("one logit per token of the grammar's vocabulary");
+            return masked_greedy(logits.data(), static_cast<int>(logits.size()), history, p, g);
+        }, py::arg("logits"), py::arg("history"), py::arg("params"));
 }
 
 // {weight name: (sums float64 (n_mat, n_cols), rows seen int64 (n_mat,))}
@@ -285,13 +322,15 @@ PYBIND11_MODULE(_native_ext, m) {
         return sample_dense(v, u);
     });
     m.def("verify", &py_verify, py::arg("rows"), py::arg("drafts"), py::arg("q"), py::arg("history"),
-          py::arg("params"), py::arg("rule"), py::arg("rng"));
+          py::arg("params"), py::arg("rule"), py::arg("rng"), py::arg("grammar") = nullptr);
     m.def("sample_context", [](uintptr_t ctx, int idx, const std::vector<int32_t>& history,
-                               const SamplerParams& p, Rng& rng) {
-        const llama_token t = sample_context(as_ctx(ctx), idx, history, p, rng);
+                               const SamplerParams& p, Rng& rng, Grammar* grammar) {
+        const llama_token t = sample_context(as_ctx(ctx), idx, history, p, rng, grammar);
         if (t < 0) throw std::runtime_error("no logits to sample from");
         return t;
-    });
+    }, py::arg("ctx"), py::arg("idx"), py::arg("history"), py::arg("params"), py::arg("rng"),
+       py::arg("grammar") = nullptr);
+    bind_grammar(m);
     bind_round(m);
 
     py::class_<ImatrixCollector>(m, "ImatrixCollector")

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <memory>
 
 namespace edgerun {
 
@@ -37,14 +38,17 @@ int n_vocab_of(llama_context* ctx) {
 }
 
 // The draft's choice from its logits; sets `confident` false when its top probability < p_min.
+// With a grammar the draft picks under it too (g: a copy, in the state before this draft).
 llama_token draft_choice(const float* logits, int n_vocab, const std::vector<int32_t>& history,
-                         const RoundPlan& in, Rng& rng, std::vector<float>& dist, bool& confident) {
+                         const RoundPlan& in, Rng& rng, std::vector<float>& dist, bool& confident, Grammar* g) {
     if (in.params.greedy()) {
-        const llama_token x = greedy_pick(logits, n_vocab, history, in.params);
+        const llama_token x = g ? masked_greedy(logits, n_vocab, history, in.params, *g)
+                                : greedy_pick(logits, n_vocab, history, in.params);
         confident = top_share_reaches(logits, n_vocab, x, in.p_min);
         return x;
     }
-    distribution(logits, n_vocab, history, in.params, dist);
+    if (g) masked_distribution(logits, n_vocab, history, in.params, *g, dist);
+    else distribution(logits, n_vocab, history, in.params, dist);
     confident = *std::max_element(dist.begin(), dist.end()) >= in.p_min;
     return sample_dense(dist, rng.uniform());
 }
@@ -71,13 +75,16 @@ bool draft_tokens(const RoundPlan& in, Rng& rng, RoundResult& res, std::vector<s
     }
     std::vector<int32_t> history = in.history;
     std::vector<float> dist;
+    std::unique_ptr<Grammar> g;  // the draft's own copy of the reply's grammar, advanced along its drafts
+    if (in.grammar) g = std::make_unique<Grammar>(*in.grammar);
     while (static_cast<int>(res.drafts.size()) < in.k) {
         const float* logits = llama_get_logits_ith(in.draft, -1);
         if (!logits) { res.error = "draft produced no logits"; return false; }
         bool confident = true;
-        const llama_token x = draft_choice(logits, n_vocab, history, in, rng, dist, confident);
+        const llama_token x = draft_choice(logits, n_vocab, history, in, rng, dist, confident, g.get());
         if (!confident) break;  // an unsure draft is likely rejected: verify what we have
         res.drafts.push_back(x);
+        if (g) g->accept(x);
         if (!in.params.greedy()) q.push_back(dist);
         push_history(history, x, in.params);
         // evaluate x only when another token will be drafted after it (or shapes must not change)
@@ -102,7 +109,7 @@ void plain_run(const RoundPlan& in, Rng& rng, Batch& batch, RoundResult& res, Cl
         if (llama_decode(in.target, batch.b) != 0) { res.error = "target llama_decode failed"; return; }
         res.target.kept.push_back(cur);
         push_history(history, cur, in.params);
-        cur = sample_context(in.target, -1, history, in.params, rng);
+        cur = sample_context(in.target, -1, history, in.params, rng, in.grammar);
         if (cur < 0) { res.error = "target produced no logits"; return; }
         res.more.push_back(cur);
     }
@@ -140,7 +147,7 @@ RoundResult run_round(const RoundPlan& in, Rng& rng) {
     if (res.drafts.empty()) {
         // a plain step: the same pick as verifying no drafts, and it takes a token that a greedy
         // sampler attached to the target picked in the graph (no logits are copied back then)
-        res.next = sample_context(in.target, -1, in.history, in.params, rng);
+        res.next = sample_context(in.target, -1, in.history, in.params, rng, in.grammar);
         if (res.next < 0) { res.error = "target produced no logits"; return res; }
     } else {
         const int n_vocab = n_vocab_of(in.target);
@@ -151,9 +158,10 @@ RoundResult run_round(const RoundPlan& in, Rng& rng) {
         }
         const bool point_mass = !in.draft;  // n-gram proposals: q(x) = 1
         const Verdict v = verify(rows, n_vocab, res.drafts, point_mass ? std::vector<std::vector<float>>{} : q,
-                                 in.history, in.params, in.rule, rng);
+                                 in.history, in.params, in.rule, rng, in.grammar);
         res.accepted = v.accepted;
         res.next = v.next;
+        if (in.grammar) in.grammar->accept(v.next);
     }
     // the target's KV keeps `last` and the accepted drafts; its owner trims the rejected tail
     res.target.pos = in.target_n_past;
@@ -166,17 +174,26 @@ RoundResult run_round(const RoundPlan& in, Rng& rng) {
 }
 
 llama_token sample_context(llama_context* ctx, int idx, const std::vector<int32_t>& history,
-                           const SamplerParams& p, Rng& rng) {
-    // a greedy sampler attached to the context (Context.greedy_on_device) picked in the graph
-    const llama_token picked = llama_get_sampled_token_ith(ctx, idx);
-    if (picked != LLAMA_TOKEN_NULL) return picked;
+                           const SamplerParams& p, Rng& rng, Grammar* grammar) {
+    if (!grammar) {
+        // a greedy sampler attached to the context (Context.greedy_on_device) picked in the graph
+        const llama_token picked = llama_get_sampled_token_ith(ctx, idx);
+        if (picked != LLAMA_TOKEN_NULL) return picked;
+    }
     const float* logits = llama_get_logits_ith(ctx, idx);
     if (!logits) return -1;
     const int n_vocab = n_vocab_of(ctx);
-    if (p.greedy()) return greedy_pick(logits, n_vocab, history, p);
-    std::vector<float> dist;
-    distribution(logits, n_vocab, history, p, dist);
-    return sample_dense(dist, rng.uniform());
+    llama_token pick;
+    if (p.greedy()) {
+        pick = grammar ? masked_greedy(logits, n_vocab, history, p, *grammar) : greedy_pick(logits, n_vocab, history, p);
+    } else {
+        std::vector<float> dist;
+        if (grammar) masked_distribution(logits, n_vocab, history, p, *grammar, dist);
+        else distribution(logits, n_vocab, history, p, dist);
+        pick = sample_dense(dist, rng.uniform());
+    }
+    if (grammar) grammar->accept(pick);
+    return pick;
 }
 
 }  // namespace edgerun

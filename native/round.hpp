@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "grammar.hpp"
 #include "sampling.hpp"
 
 namespace edgerun {
@@ -41,6 +42,10 @@ struct RoundPlan {
     // tokens, and the next call (in_flight) starts from its result.
     bool overlap = false;
     bool cap_ends_reply = false;  // reaching plain_steps ends the reply: nothing to overlap then
+    // The reply's grammar, in its state after `last` (null: unconstrained). Every pick is made
+    // under it, the draft's too (on a copy), and the round advances it along every token it
+    // keeps, so after the round it stands after `next` (and a plain run's `more`).
+    Grammar* grammar = nullptr;
 };
 
 // What a round left in one context's KV for the plan's sequence, for its owner to record.
@@ -67,8 +72,9 @@ struct RoundResult {
 RoundResult run_round(const RoundPlan& plan, Rng& rng);
 
 // Sample from output `idx` of the last decode of ctx (the first token after a prompt), or take
-// the token a greedy sampler attached to ctx picked inside the graph.
+// the token a greedy sampler attached to ctx picked inside the graph. With a grammar: the pick
+// is made under it and the grammar advances past it (no sampler may be attached then).
 llama_token sample_context(llama_context* ctx, int idx, const std::vector<int32_t>& history,
-                           const SamplerParams& p, Rng& rng);
+                           const SamplerParams& p, Rng& rng, Grammar* grammar = nullptr);
 
 }  // namespace edgerun

@@ -1,5 +1,7 @@
 #include "sampling.hpp"
 
+#include "grammar.hpp"
+
 #include <cstring>
 
 #include <algorithm>
@@ -253,17 +255,19 @@ static void check_verify_args(const std::vector<const float*>& rows, int n_vocab
 
 Verdict verify(const std::vector<const float*>& rows, int n_vocab, const std::vector<int32_t>& drafts,
                const std::vector<std::vector<float>>& q, std::vector<int32_t> history,
-               const SamplerParams& p, AcceptRule rule, Rng& rng) {
+               const SamplerParams& p, AcceptRule rule, Rng& rng, Grammar* g) {
     check_verify_args(rows, n_vocab, drafts, q);
     Verdict v;
     std::vector<float> pdist;
     for (size_t i = 0; i <= drafts.size(); ++i) {
         const bool bonus = i == drafts.size();
         if (p.greedy()) {
-            const int32_t best = greedy_pick(rows[i], n_vocab, history, p);
+            const int32_t best = g ? masked_greedy(rows[i], n_vocab, history, p, *g)
+                                   : greedy_pick(rows[i], n_vocab, history, p);
             if (bonus || best != drafts[i]) { v.next = best; return v; }
         } else {
-            distribution(rows[i], n_vocab, history, p, pdist);
+            if (g) masked_distribution(rows[i], n_vocab, history, p, *g, pdist);
+            else distribution(rows[i], n_vocab, history, p, pdist);
             if (bonus) { v.next = sample_dense(pdist, rng.uniform()); return v; }
             const int32_t x = drafts[i];
             const bool point_mass = q.empty();
@@ -285,6 +289,7 @@ Verdict verify(const std::vector<const float*>& rows, int n_vocab, const std::ve
             }
         }
         ++v.accepted;
+        if (g) g->accept(drafts[i]);  // accepted => p(x) > 0 => the grammar allows it
         push_history(history, drafts[i], p);
     }
     return v;  // unreachable: the bonus row always returns

@@ -7,6 +7,8 @@
 
 namespace edgerun {
 
+class Grammar;  // grammar.hpp
+
 struct SamplerParams {
     float temperature = 0.7f;  // <= 0: greedy
     int top_k = 40;            // <= 0: off
@@ -69,8 +71,12 @@ struct Verdict {
 // Decide a drafted run. rows[i] holds the target's logits after the i-th verified position
 // (rows.size() == drafts.size() + 1). q[i] is the dense draft distribution drafts[i] was drawn
 // from, or empty for a point-mass drafter (n-gram) whose q(x) = 1.
+// With a grammar (g non-null, its state before drafts[0]) p is the constrained distribution
+// (grammar.hpp) at every position, so a draft the grammar refuses has p(x) = 0 and is rejected,
+// and the residual max(0, p - q) holds only allowed tokens. g advances along the accepted drafts;
+// the caller accepts `next`.
 Verdict verify(const std::vector<const float*>& rows, int n_vocab, const std::vector<int32_t>& drafts,
                const std::vector<std::vector<float>>& q, std::vector<int32_t> history,
-               const SamplerParams& p, AcceptRule rule, Rng& rng);
+               const SamplerParams& p, AcceptRule rule, Rng& rng, Grammar* g = nullptr);
 
 }  // namespace edgerun

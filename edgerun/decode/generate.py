@@ -64,10 +64,11 @@ def native_rng(seed: int | None) -> _native.Rng:
         return _native.Rng(seed if seed is not None else random.getrandbits(64))
 
 
-def first_pick(ctx: Context, history: list[int], params: _native.SamplerParams, rng: _native.Rng) -> int:
-    """The token the prompt's last logits choose."""
+def first_pick(ctx: Context, history: list[int], params: _native.SamplerParams, rng: _native.Rng,
+               grammar: _native.Grammar | None = None) -> int:
+    """The token the prompt's last logits choose (under the grammar, which then stands after it)."""
     with native_errors("sampling the first token"):
-        return _native.sample_context(ctx.address, -1, history, params, rng)
+        return _native.sample_context(ctx.address, -1, history, params, rng, grammar)
 
 
 def native_round(plan: _native.RoundPlan, rng: _native.Rng) -> _native.RoundResult:
@@ -114,11 +115,14 @@ def generate(
     memory: GovernorMemory | None = None,
     seq: int = 0,
     rng: _native.Rng | None = None,
+    grammar: _native.Grammar | None = None,
 ) -> Iterator[Prefill | Step | Round]:
     """Evaluate the prompt, then decode up to max_tokens tokens, yielding each as it is ready.
     `memory`: what the governors learned in earlier replies (the runner's), updated in place.
     `seq`: the context's sequence to decode in. `rng`: the sampler's random stream (default: one
     seeded from sampling.seed), which a caller that goes on decoding the reply itself passes in.
+    `grammar`: a constraint's state (decode/constrain.py) before the reply's first token; every
+    token is picked under it, drafted ones too, and it advances along each token yielded.
     Closed between rounds, the context holds the prompt and every token yielded but the last."""
     if not prompt:  # e.g. `--raw ""` with a model that adds no BOS: no logits to pick from
         raise ConfigError("the prompt has no tokens, so there is nothing to continue; give some text")
@@ -132,12 +136,13 @@ def generate(
     start = time.perf_counter()
     params = native_params(sampling)
     rng = rng or native_rng(sampling.seed)
-    speculator = Speculator(spec_config or SpecConfig(), ctx, prompt, sampling, params, memory=memory, seq=seq)
+    speculator = Speculator(spec_config or SpecConfig(), ctx, prompt, sampling, params, memory=memory, seq=seq,
+                            grammar=grammar)
     speculator.settle_sampler()  # before the prompt: its last output is the first pick
     evaluated = ctx.prefill(prompt, seq)
     yield Prefill(len(prompt), evaluated, time.perf_counter() - start)
     emit = _Emitter(ctx, max_tokens, cancel, start)
-    last = first_pick(ctx, sampling.penalty_window(ctx.held(seq)), params, rng)
+    last = first_pick(ctx, sampling.penalty_window(ctx.held(seq)), params, rng, grammar)
     yield emit.step(last, False)
     try:
         while not emit.done:

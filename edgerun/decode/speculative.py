@@ -96,10 +96,13 @@ class Speculator:
     governors learn goes to `memory`; what the KV caches hold, to the contexts (Context.commit)."""
 
     def __init__(self, cfg: SpecConfig, target: Context, prompt: list[int], sampling: SamplerSettings,
-                 params: _native.SamplerParams, *, memory: GovernorMemory | None = None, seq: int = 0):
+                 params: _native.SamplerParams, *, memory: GovernorMemory | None = None, seq: int = 0,
+                 grammar: _native.Grammar | None = None):
         self.cfg, self.target, self.sampling, self.params, self.seq = cfg, target, sampling, params, seq
+        self.grammar = grammar  # the reply's constraint state: every round picks under it and advances it
         self.memory = memory if memory is not None else GovernorMemory()
-        greedy = sampling.greedy and not sampling.penalized
+        # a pick in llama.cpp's graph would not see the grammar
+        greedy = sampling.greedy and not sampling.penalized and grammar is None
         wanted = target.output_on_gpu if cfg.device_greedy is None else cfg.device_greedy
         self.device_greedy = greedy and wanted  # plain steps may pick in llama.cpp's graph
         self.overlap = target.output_on_gpu if cfg.overlap is None else cfg.overlap
@@ -205,6 +208,7 @@ class Speculator:
         plan.target, plan.seq, plan.last, plan.target_n_past = self.target.address, self.seq, last, len(committed)
         plan.p_min, plan.params, plan.rule, plan.plain_budget_s = self.cfg.p_min, self.params, self.cfg.rule, PLAIN_BUDGET_S
         plan.history = self.sampling.penalty_window(committed, last)
+        plan.grammar = self.grammar
         if self.ngram:
             self.ngram.extend([last])
             # a proposal runs as far as the earlier text does (up to the most one round may take)
