@@ -386,9 +386,19 @@ def cmd_list(args) -> int:
         present = fetch.is_present(e)
         state = "verified" if fetch.is_verified(e) else ("unverified" if present else "not pulled")
         rows.append((e.name, e.role, _gb(e.size), state, str(fetch.local_file(e)) if present else "-"))
+    from edgerun.models import local
+
+    made = local.load()
+    for m in made:
+        rows.append((m.name, "converted", _gb(m.summary.get("size_bytes") or 0), "local", m.path))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if made:
+        print("\nconverted here:")
+        for m in made:
+            print(f"  {m.name}: from {m.origin}; {m.describe()}"
+                  + (f"; report {m.report_path}" if m.report_path else "") + (f"; plot {m.plot_path}" if m.plot_path else ""))
     return 0
 
 
@@ -519,6 +529,12 @@ def cmd_convert(args) -> int:
         _err(f"report: {opts.report_path}")
     if opts.plot:
         _err(f"plot: {opts.plot}")
+    if args.name:
+        from edgerun.models import local
+
+        local.register(args.name, opts.output, origin=opts.src, report=result.to_json(),
+                       report_path=opts.report_path, plot_path=opts.plot)
+        _err(f"registered as {args.name}: edgerun run -m {args.name}")
     return 0
 
 
@@ -530,8 +546,17 @@ def _convert_options(args):
 
     if not args.src:
         raise ConfigError("name what to convert: edgerun convert SRC -o OUT.gguf --quant Q4_K_M")
+    if not args.output and args.name:
+        from edgerun.models import local
+
+        args.output = local.default_output(args.name)
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+    elif args.name:
+        from edgerun.models import local
+
+        local.check_name(args.name)
     if not args.output:
-        raise ConfigError("name the file to write with -o OUT.gguf")
+        raise ConfigError("name the file to write with -o OUT.gguf (or --name NAME)")
     calib = tuple(s.strip() for arg in (args.calib or []) for s in arg.split(",") if s.strip())
     try:
         options = dict(src=args.src, output=args.output, quant=args.quant, keep_f16=args.keep_f16,

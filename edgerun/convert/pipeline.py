@@ -144,6 +144,8 @@ def convert(opts: ConvertOptions, *, progress: Progress | None = None) -> report
     with clock("plan"):
         budget, base = _budget(opts, f16, inventory)
         chosen = planner.choose(costs, budget, fixed_bytes=inventory.fixed_bytes)
+    if progress:
+        progress("plan", 1, 1)
     with clock("quantize"):
         quantize(f16, Path(opts.output), ftype=base, overrides=chosen.types, imatrix=imatrix,
                  n_threads=opts.n_threads, progress=progress)

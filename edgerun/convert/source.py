@@ -73,6 +73,8 @@ def _from_checkpoint(root: Path, work_dir: Path, out_type: str, progress: Progre
         work_dir.mkdir(parents=True, exist_ok=True)
         out = work_dir / f"source-{ckpt.arch}-{_fingerprint(root, out_type)}-{out_type.lower()}.gguf"
         if out.is_file():  # written atomically, so present means complete
+            if progress:
+                progress("write GGUF (cached)", 1, 1)
             return out
         return write_gguf(ckpt, out, out_type=out_type, progress=progress)
 

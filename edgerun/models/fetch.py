@@ -402,7 +402,8 @@ def _is_own_hub_blob(target: Path, entry: CatalogEntry) -> bool:
 
 
 def resolve(spec: str) -> Path:
-    """A model spec (catalog name, hf:// URI or path) -> a local, validated GGUF path.
+    """A model spec (catalog name, converted model's name, hf:// URI or path) -> a local, validated
+    GGUF path.
 
     Catalog models must already be pulled; this never downloads."""
     if spec.startswith("hf://"):
@@ -418,6 +419,11 @@ def resolve(spec: str) -> Path:
         if not is_present(entry):
             raise ModelNotFound(f"model '{spec}' is not downloaded; run `edgerun pull {spec}`")
         return local_file(entry)
+    from edgerun.models import local
+
+    made = local.find(spec) if "/" not in spec and not spec.endswith(".gguf") else None
+    if made is not None:  # a model converted here
+        return Path(made.path)
     candidate = Path(spec).expanduser()
     if candidate.exists() or "/" in spec or spec.endswith(".gguf"):
         if not candidate.exists():

@@ -133,6 +133,7 @@ class EdgerunApp(App):
         self._vram: str | None = None
         self._memory = (0, 0)  # (RSS, free RAM) as last read
         self._widgets: dict = {}  # main-screen widgets found so far (a query walks the DOM)
+        self.convert_job = None  # the running or last conversion (tui/convert.py), kept across dialogs
 
     @property
     def effective(self) -> user_settings.UserSettings:

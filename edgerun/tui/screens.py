@@ -13,7 +13,7 @@ from textual.widgets import Button, DataTable, Input, Label, Markdown, ProgressB
 
 from edgerun import paths, user_settings
 from edgerun.errors import EdgerunError
-from edgerun.models import catalog, fetch
+from edgerun.models import catalog, fetch, local
 from edgerun.runtime.vocab import check_pair
 
 
@@ -48,6 +48,7 @@ class ModelScreen(ModalScreen):
                 yield Button("Use as draft", id="use-draft")
                 yield Button("No draft", id="no-draft")
                 yield Button("Pull", id="pull")
+                yield Button("Convert…", id="convert")
                 yield Button("Close", id="close")
 
     def on_mount(self) -> None:
@@ -66,21 +67,29 @@ class ModelScreen(ModalScreen):
             fit = {True: "same vocab", False: "other vocab"}.get(self.compatible.get(e.name), "")
             table.add_row(f"{e.name} {'●' if mark else ''}".strip(), e.role, f"{e.size / 1e9:.2f} GB", state,
                           "(target)" if e.name == self.target else fit, key=e.name)
+        for m in local.load():  # converted here: present by definition
+            mark = m.name in (self.target, self.draft)
+            fit = {True: "same vocab", False: "other vocab"}.get(self.compatible.get(m.name), "")
+            table.add_row(f"{m.name} {'●' if mark else ''}".strip(), "converted",
+                          f"{(m.summary.get('size_bytes') or 0) / 1e9:.2f} GB", "local",
+                          "(target)" if m.name == self.target else fit, key=m.name)
 
     @work(thread=True, exclusive=True, group="vocab")
     def check_drafts(self) -> None:
         """Only same-vocab models are offered as drafts (vocab-only loads: about a second each)."""
-        cat = catalog.load()
-        target = cat.find(self.target)
-        if target is None or not fetch.is_present(target):
+        try:
+            target = fetch.resolve(self.target)
+        except EdgerunError:
             return
-        for e in cat.entries:
-            if e.name != self.target and fetch.is_present(e):
+        present = [(e.name, fetch.local_file(e)) for e in catalog.load().entries if fetch.is_present(e)]
+        present += [(m.name, Path(m.path)) for m in local.load()]
+        for name, path in present:
+            if name != self.target:
                 try:
-                    check_pair(fetch.local_file(target), fetch.local_file(e))
-                    self.compatible[e.name] = True
+                    check_pair(target, path)
+                    self.compatible[name] = True
                 except EdgerunError:
-                    self.compatible[e.name] = False
+                    self.compatible[name] = False
         self.app.call_from_thread(self.fill)
 
     def _selected(self) -> str | None:
@@ -93,7 +102,7 @@ class ModelScreen(ModalScreen):
     def use_target(self) -> None:
         name = self._selected()
         entry = catalog.load().find(name) if name else None
-        if entry is None or not fetch.is_present(entry):
+        if (entry is None or not fetch.is_present(entry)) and not (name and local.find(name)):
             self.app.notify(f"{name} is not downloaded: press Pull first", severity="warning")
             return
         draft = self.draft if self.compatible.get(self.draft or "", False) or self.draft in ("auto", "none") else "none"
@@ -121,10 +130,19 @@ class ModelScreen(ModalScreen):
     def close(self) -> None:
         self.dismiss()
 
+    @on(Button.Pressed, "#convert")
+    def convert(self) -> None:
+        from edgerun.tui.convert import ConvertScreen
+
+        self.dismiss()
+        self.app.push_screen(ConvertScreen())
+
     @on(Button.Pressed, "#pull")
     def pull(self) -> None:
         name = self._selected()
-        if name:
+        if name and catalog.load().find(name) is None:
+            self.app.notify(f"{name} was converted here: nothing to pull", severity="warning")
+        elif name:
             bar = self.query_one(ProgressBar)
             bar.display = True
             bar.update(total=catalog.load().get(name).size, progress=0)
