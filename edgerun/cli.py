@@ -259,9 +259,9 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--no-weigh", dest="weigh", action="store_false",
                    help="skip measuring each tensor role's effect on KLD (faster; plans on raw errors)")
-    p.add_argument("--k-quants-only", action="store_true",
     p.add_argument("--name", default=None, help="register the result under this name (edgerun list, -m NAME, the chat"
                    " app's models screen); without -o it is written into the models folder")
+    p.add_argument("--k-quants-only", action="store_true",
                    help="leave llama.cpp's i-quants (IQ2_XXS..IQ4_XS) out of the plan: they are more accurate per"
                    " byte at 2-4 bpw but some decode slower on CPUs")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG",
