@@ -222,6 +222,7 @@ def _add_rpc_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_at_least_one, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--cache", type=Path, default=None, metavar="DIR",
                    help="keep tensors clients sent here, so a reload sends only their hashes")
+    p.add_argument("--cpu", action="store_true", help="serve the CPU even where a GPU is (a GPU and a CPU server on one host)")
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:

@@ -8,18 +8,20 @@ from edgerun import settings
 from edgerun.errors import EdgerunError
 from edgerun.models import catalog, fetch
 from edgerun.models.gguf_check import inspect
-from edgerun.runner import placement_for
-from edgerun.runtime import devices
+from edgerun.runner import placement_for, remote_devices
+from edgerun.runtime import devices, rpc
 
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def report(model: str) -> str:
+def report(model: str, rpc_spec: str = "") -> str:
+    """rpc_spec: `--rpc`'s servers, connected and planned with (a server down is an error)."""
     lines = [f"llama-cpp-python {llama_cpp.__version__}"]
     gpu = devices.gpu_offload_supported()
     lines.append(f"backend: {'CUDA (GPU offload)' if gpu else 'CPU only'}")
+    lines.append(f"RPC backend: {rpc.available()}")
     lines.append(f"CPU features used: {devices.cpu_features()}")
     lines.append(f"threads: {settings.physical_cores()} (physical cores)")
     lines.append(f"free RAM: {_gib(devices.free_ram())}")
@@ -37,18 +39,22 @@ def report(model: str) -> str:
     except EdgerunError as exc:
         lines.append(f"offload plan for {model}: unavailable ({exc})")
         return "\n".join(lines)
-    engine = settings.EngineSettings()
+    engine = settings.EngineSettings(rpc=rpc_spec)
+    remote = remote_devices(engine)
+    for d in remote:
+        lines.append(f"rpc device {d.name} at {d.endpoint}: {_gib(d.free)} free of {_gib(d.total)}")
     draft_name = catalog.load().find(model).draft if catalog.load().find(model) else None
     draft_info = None
     if draft_name and gpu and fetch.is_present(catalog.load().get(draft_name)):
         draft_info = inspect(fetch.resolve(draft_name))
     try:
-        plan = placement_for(info, engine, draft_info)
+        plan = placement_for(info, engine, draft_info, remote=remote)
     except EdgerunError as exc:
         lines.append(f"offload plan for {model} at ctx {engine.n_ctx}: does not fit ({exc})")
         return "\n".join(lines)
     lines.append(f"offload plan for {model} at ctx {engine.n_ctx} ({plan.reason}):")
-    lines.append(f"  target {info.name}: {plan.target.describe()}")
+    where = plan.devices.describe() if plan.devices else plan.target.describe()
+    lines.append(f"  target {info.name}: {where}")
     if plan.draft and draft_name:
         lines.append(f"  draft {draft_name}: {plan.draft.describe()}")
     return "\n".join(lines)

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from edgerun.errors import ConfigError
+from edgerun.errors import ConfigError, EngineError
 from edgerun.decode.constrain import Constraint
 from edgerun.decode.generate import Prefill, Step, generate
 from edgerun.decode import governor
@@ -16,7 +16,7 @@ from edgerun.decode.speculative import Round, SpecConfig, k_limit
 from edgerun.models import catalog, fetch
 from edgerun.models.fetch import resolve
 from edgerun.models.gguf_check import GGUFInfo, inspect
-from edgerun.runtime import chat_template, devices, placement, vocab
+from edgerun.runtime import chat_template, devices, placement, rpc, vocab
 from edgerun.runtime.engine import Context, Model
 from edgerun.settings import EngineSettings, SamplerSettings
 
@@ -40,12 +40,25 @@ def footprint(info: GGUFInfo, settings: EngineSettings) -> placement.Footprint:
     )
 
 
+def remote_devices(settings: EngineSettings) -> list[rpc.RemoteDevice]:
+    """The devices of settings.rpc's servers, connected (a server down is one ConfigError)."""
+    return rpc.connect(rpc.parse(settings.rpc), timeout_s=settings.rpc_timeout_s) if settings.rpc else []
+
+
 def placement_for(info: GGUFInfo, settings: EngineSettings, draft: GGUFInfo | None = None,
-                  memory: devices.Memory | None = None) -> placement.Plan:
+                  memory: devices.Memory | None = None,
+                  remote: list[rpc.RemoteDevice] | None = None) -> placement.Plan:
     """The offload plan for a target (and draft) on this machine's free memory now (or on
     `memory`). When nothing fits, the error says which smaller context would (the context is
-    shrunk only when asked)."""
+    shrunk only when asked). With settings.rpc, the target goes over the servers' devices too
+    (`remote`: already connected ones)."""
     mem = memory or devices.memory()
+    if settings.rpc:
+        remote = remote_devices(settings) if remote is None else remote
+        places = [placement.Place(f"{d.name} ({d.endpoint})", d.free, margin=placement.REMOTE_MARGIN) for d in remote]
+        vram = mem.free_vram if settings.max_vram is None else min(mem.free_vram, settings.max_vram)
+        return placement.plan_remote(footprint(info, settings), footprint(draft, settings) if draft else None, places,
+                                     free_vram=vram, free_ram=mem.free_ram, gpu_available=mem.gpu)
 
     def attempt(s: EngineSettings) -> placement.Plan:
         return placement.plan(
@@ -111,15 +124,20 @@ class Runner:
                 f" use --ctx {limit} or less"
             )
         self.draft_info = inspect(self.draft_path) if self.draft_path else None
-        self.plan = placement_for(self.info, self.settings, self.draft_info)
+        self.remote = remote_devices(self.settings)  # --rpc: connected before anything loads
+        self.plan = placement_for(self.info, self.settings, self.draft_info, remote=self.remote)
+        self.rpc_watch = rpc.Watch(rpc.parse(self.settings.rpc)) if self.settings.rpc else None
         self._owned: list = []  # closed in reverse on close()
         try:
-            self.model = self._own(Model(self.path, n_gpu_layers=self.plan.target.gpu_layers, info=self.info))
+            self.model = self._own(self._load_target())
             self.ctx = self._own(Context(self.model, self.settings))
             self.draft_ctx = None
             if self.draft_path:
                 where = self.plan.draft  # placement_for plans a draft whenever it is given one
-                self.draft_model = self._own(Model(self.draft_path, n_gpu_layers=where.gpu_layers, info=self.draft_info))
+                # the draft stays local: with --rpc its devices are named, so no server is among them
+                local = rpc.local_gpus() if self.remote else None
+                self.draft_model = self._own(Model(self.draft_path, n_gpu_layers=where.gpu_layers, info=self.draft_info,
+                                                   devices=local))
                 threads = placement.draft_threads(where, self.settings.n_threads)
                 self.draft_ctx = self._own(Context(self.draft_model, self.settings.replace(n_threads=threads)))
         except Exception:
@@ -140,6 +158,21 @@ class Runner:
             model = self.governors.get("model")
             if self.plan.gpu_bytes and not ngram and model and governor.given_up(model):
                 self._warm_device_greedy()
+
+    def _load_target(self) -> Model:
+        devs = self.plan.devices
+        if devs is None:
+            return Model(self.path, n_gpu_layers=self.plan.target.gpu_layers, info=self.info)
+        # llama.cpp's device order is the plan's: the servers' devices, then the local GPU
+        handles = [d.handle for d in self.remote] + rpc.local_gpus()[:len(devs.shares) - len(self.remote)]
+        model = Model(self.path, n_gpu_layers=devs.gpu_layers, info=self.info, devices=handles,
+                      tensor_split=devs.tensor_split)
+        try:
+            self.rpc_watch.check()  # a server lost while the weights went out
+        except Exception:
+            model.close()
+            raise
+        return model
 
     def _fit_k(self, spec_k: int | None, speculating: bool) -> int | None:
         """A fixed draft length clamped to what one batch holds (`last` and k drafts go to one
@@ -249,8 +282,21 @@ class Runner:
         """`constraint`: a grammar the reply must match (decode/constrain.py); checked here, before
         the prompt is evaluated."""
         grammar = constraint.start(self.ctx.address) if constraint is not None else None
-        return generate(self.ctx, tokens, sampling, max_tokens=max_tokens, cancel=cancel, grammar=grammar,
-                        spec_config=self.spec_config, memory=self.governors)
+        records = generate(self.ctx, tokens, sampling, max_tokens=max_tokens, cancel=cancel, grammar=grammar,
+                         spec_config=self.spec_config, memory=self.governors)
+        return records if self.rpc_watch is None else _watched(records, self.rpc_watch)
+
+
+def _watched(records: Iterator[Prefill | Step | Round], watch: rpc.Watch) -> Iterator[Prefill | Step | Round]:
+    """A reply over remote devices: once a server is lost its replies are zeros, so a record made
+    after that is not passed on; the reply ends with the error naming the server."""
+    try:
+        for record in records:
+            watch.check()
+            yield record
+    except EngineError:
+        watch.check()  # a failed decode because a server was lost: say that
+        raise
 
 
 def chat_tokens(model: Model, messages: list[dict]) -> list[int]:

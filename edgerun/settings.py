@@ -58,6 +58,8 @@ class EngineSettings:
     gpu_layers: str = "auto"  # "auto", or a layer count as text
     max_vram: int | None = None  # bytes of VRAM the plan may use; None: all that is free
     n_seq: int = 1  # sequences sharing the context (the server's slots), each up to n_ctx tokens
+    rpc: str = ""  # remote devices: "HOST:PORT[,HOST:PORT...]" of `edgerun rpc-server`s (empty: none)
+    rpc_timeout_s: float = 30.0  # a server silent this long in a request counts as lost
 
     def replace(self, **changes) -> "EngineSettings":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})

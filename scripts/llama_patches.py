@@ -1,4 +1,4 @@
-"""Source patches setup.sh applies to llama.cpp before it builds the CUDA backend.
+"""Source patches setup.sh applies to llama.cpp before it builds it (CPU and CUDA alike).
 
     python scripts/llama_patches.py prepare SDIST DEST --version V
 
@@ -7,7 +7,7 @@ llama-cpp-python==V with pip". DEST receives a patched copy; setup.sh builds fro
 names the exact upstream text it replaces: a pinned version that no longer has that text is an
 error that says so, never a silent unpatched build.
 
-The patch (upstreamable, one function):
+The patches (each upstreamable and small):
 
 **ggml-cuda's CUDA graph key.** ggml-cuda keeps one captured CUDA graph per key, and the key was
 the graph's first node. llama.cpp builds the graph of every batch size on the same first node, so
@@ -16,6 +16,21 @@ properties: the next decode step ran uncaptured and the one after captured the g
 every reply. Keyed by shape as well, each batch size keeps its own captured graph: on an H200,
 `edgerun run` replies got 1.0-1.7% faster on the 0.5B and 1.5B shapes and 0.6% on the 7B
 (an A/B of `edgerun run` with the patch and without).
+
+**ggml-rpc: a lost server is an error, not an abort.** Upstream's RPC client aborts the whole
+process when a send or receive to a server fails, and waits forever on a server that stops
+answering. For `--rpc` that turns one dead helper machine into a killed chat app. Patched, the
+client's connection gets a send/receive timeout (EDGERUN_RPC_TIMEOUT_S, seconds; unset: none), a
+failure marks that server failed (its pending and later requests complete at once with zeroed
+replies), graph computes on it return GGML_STATUS_FAILED (so llama_decode returns an error), and
+`ggml_backend_rpc_edgerun_failed` tells the caller which servers failed; the engine checks it
+after every decode and turns it into one error. The same function returns the bytes the client
+sent and received, which `edgerun bench rpc` reports per decode step.
+
+**ggml-rpc: a memory cap for the server.** Upstream's rpc-server reports the device's free memory
+and allocates whatever a client asks. With EDGERUN_RPC_MEM_BYTES set (`edgerun rpc-server --mem`)
+the server reports at most that much and refuses an allocation past it, so a client's plan and
+the server's own limit agree.
 """
 from __future__ import annotations
 
@@ -65,9 +80,269 @@ static const void * ggml_cuda_graph_get_key(ggml_cgraph * cgraph) {
     return (const void *) (uintptr_t) key;
 }"""
 
+_RPC = "vendor/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp"
+_RPC_TRANSPORT = "vendor/llama.cpp/ggml/src/ggml-rpc/transport.cpp"
+
+_RPC_STATE_OLD = """\
+#define RPC_STATUS_ASSERT(x) if (!(x)) GGML_ABORT("Remote RPC server crashed or returned malformed response")
+"""
+
+_RPC_STATE_NEW = _RPC_STATE_OLD + """
+// edgerun patch (scripts/llama_patches.py): a server whose connection fails is recorded here, not
+// an abort; the client's traffic is counted for `edgerun bench rpc`.
+static std::mutex g_edgerun_failed_mu;
+static std::string g_edgerun_failed;  // endpoints that failed, comma-separated
+static std::atomic<uint64_t> g_edgerun_sent{0};
+static std::atomic<uint64_t> g_edgerun_received{0};
+
+static void edgerun_mark_failed(const std::string & endpoint) {
+    std::lock_guard<std::mutex> lock(g_edgerun_failed_mu);
+    if (!g_edgerun_failed.empty()) {
+        g_edgerun_failed += ",";
+    }
+    g_edgerun_failed += endpoint;
+}
+
+// Copies the failed endpoints (comma-separated, NUL-terminated) into buf and the client's byte
+// counts into sent/received; returns the length of the full list (0: no server failed).
+extern "C" {
+GGML_BACKEND_API size_t ggml_backend_rpc_edgerun_failed(char * buf, size_t size, uint64_t * sent, uint64_t * received);
+}
+size_t ggml_backend_rpc_edgerun_failed(char * buf, size_t size, uint64_t * sent, uint64_t * received) {
+    std::lock_guard<std::mutex> lock(g_edgerun_failed_mu);
+    if (buf != nullptr && size > 0) {
+        snprintf(buf, size, "%s", g_edgerun_failed.c_str());
+    }
+    if (sent != nullptr) {
+        *sent = g_edgerun_sent.load();
+    }
+    if (received != nullptr) {
+        *received = g_edgerun_received.load();
+    }
+    return g_edgerun_failed.size();
+}
+
+// The server's memory cap (EDGERUN_RPC_MEM_BYTES; 0: none) and what its buffers hold now.
+static size_t edgerun_mem_limit() {
+    static const size_t limit = [] {
+        const char * v = getenv("EDGERUN_RPC_MEM_BYTES");
+        return v ? (size_t) strtoull(v, nullptr, 10) : (size_t) 0;
+    }();
+    return limit;
+}
+static std::atomic<size_t> g_edgerun_allocated{0};
+"""
+
+_RPC_HELLO_OLD = """\
+    bool status = send_rpc_cmd(sock, RPC_CMD_HELLO, &request, sizeof(request), &response, sizeof(response));
+    RPC_STATUS_ASSERT(status);
+"""
+
+_RPC_HELLO_NEW = """\
+    bool status = send_rpc_cmd(sock, RPC_CMD_HELLO, &request, sizeof(request), &response, sizeof(response));
+    if (!status) {  // edgerun patch: the caller records the failure
+        return false;
+    }
+"""
+
+_RPC_MEMBERS_OLD = """\
+    rpc_msg_queue    queue;
+    socket_ptr       sock;
+    std::atomic_bool running;
+"""
+
+_RPC_MEMBERS_NEW = """\
+    rpc_msg_queue    queue;
+    socket_ptr       sock;
+    std::atomic_bool running;
+    std::string      endpoint;       // edgerun patch: for the failure record
+    std::atomic_bool failed{false};  // edgerun patch: set once, by start() or work()
+public:
+    bool has_failed() const { return failed; }
+private:
+"""
+
+_RPC_START_OLD = """\
+    sock = socket_t::connect(host.c_str(), port);
+    if (sock == nullptr) {
+        GGML_ABORT("Failed to connect to %s\\n", endpoint.c_str());
+    }
+    if (!negotiate_hello(sock)) {
+        GGML_ABORT("RPC handshake failed for %s\\n", endpoint.c_str());
+    }
+"""
+
+_RPC_START_NEW = """\
+    // edgerun patch: an unreachable server is marked failed (every request completes at once with
+    // a zeroed reply) instead of aborting the process
+    this->endpoint = endpoint;
+    sock = socket_t::connect(host.c_str(), port);
+    if (sock == nullptr || !negotiate_hello(sock)) {
+        GGML_LOG_ERROR("RPC: cannot reach %s\\n", endpoint.c_str());
+        failed = true;
+        edgerun_mark_failed(endpoint);
+    }
+"""
+
+_RPC_WORK_OLD = """\
+        if (msg_ptr->cmd != RPC_CMD_NONE) {
+            if (msg_ptr->output) {
+                bool status = send_rpc_cmd(sock, msg_ptr->cmd, msg_ptr->input.get(), msg_ptr->input_size, msg_ptr->output, msg_ptr->output_size);
+                RPC_STATUS_ASSERT(status);
+            } else {
+                bool status = send_rpc_cmd(sock, msg_ptr->cmd, msg_ptr->input.get(), msg_ptr->input_size);
+                RPC_STATUS_ASSERT(status);
+            }
+        }
+"""
+
+_RPC_WORK_NEW = """\
+        if (msg_ptr->cmd != RPC_CMD_NONE) {
+            // edgerun patch: a failed send or receive (peer gone, timeout) marks this server failed
+            // once; its requests then complete with zeroed replies and the caller is told through
+            // ggml_backend_rpc_edgerun_failed and failed graph computes
+            bool status = !failed;
+            if (status && msg_ptr->output) {
+                status = send_rpc_cmd(sock, msg_ptr->cmd, msg_ptr->input.get(), msg_ptr->input_size, msg_ptr->output, msg_ptr->output_size);
+            } else if (status) {
+                status = send_rpc_cmd(sock, msg_ptr->cmd, msg_ptr->input.get(), msg_ptr->input_size);
+            }
+            if (status) {
+                g_edgerun_sent += 9 + msg_ptr->input_size;
+                g_edgerun_received += msg_ptr->output ? 8 + msg_ptr->output_size : 0;
+            } else {
+                if (!failed) {
+                    GGML_LOG_ERROR("RPC: lost the connection to %s\\n", endpoint.c_str());
+                    failed = true;
+                    edgerun_mark_failed(endpoint);
+                }
+                if (msg_ptr->output) {
+                    memset(msg_ptr->output, 0, msg_ptr->output_size);
+                }
+            }
+        }
+"""
+
+_RPC_COMPUTE_OLD = """\
+    GGML_ASSERT(cgraph->n_nodes > 0);
+    bool reuse = cgraph->uid != 0 && rpc_dev_ctx->last_graph_uid == cgraph->uid;
+"""
+
+_RPC_COMPUTE_NEW = """\
+    GGML_ASSERT(cgraph->n_nodes > 0);
+    if (rpc_ctx->dispatcher->has_failed()) {  // edgerun patch: llama_decode reports it
+        return GGML_STATUS_FAILED;
+    }
+    bool reuse = cgraph->uid != 0 && rpc_dev_ctx->last_graph_uid == cgraph->uid;
+"""
+
+_RPC_ALLOC_OLD = """\
+    ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(backends[dev_id]);
+    ggml_backend_buffer_t buffer = ggml_backend_buft_alloc_buffer(buft, request.size);
+    response.remote_ptr = 0;
+    response.remote_size = 0;
+    if (buffer != nullptr) {
+"""
+
+_RPC_ALLOC_NEW = """\
+    ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(backends[dev_id]);
+    response.remote_ptr = 0;
+    response.remote_size = 0;
+    const size_t limit = edgerun_mem_limit();  // edgerun patch: the server's --mem cap
+    if (limit != 0 && g_edgerun_allocated + request.size > limit) {
+        GGML_LOG_ERROR("[%s] refusing %" PRIu64 " bytes: the server's memory cap is %zu bytes, %zu in use\\n",
+                       __func__, request.size, limit, g_edgerun_allocated.load());
+        return true;
+    }
+    ggml_backend_buffer_t buffer = ggml_backend_buft_alloc_buffer(buft, request.size);
+    if (buffer != nullptr) {
+        g_edgerun_allocated += ggml_backend_buffer_get_size(buffer);
+"""
+
+_RPC_FREE_OLD = """\
+    ggml_backend_buffer_free(buffer);
+    buffers.erase(buffer);
+    return true;
+}
+"""
+
+_RPC_FREE_NEW = """\
+    g_edgerun_allocated -= ggml_backend_buffer_get_size(buffer);  // edgerun patch
+    ggml_backend_buffer_free(buffer);
+    buffers.erase(buffer);
+    return true;
+}
+"""
+
+_RPC_MEMORY_OLD = """\
+    ggml_backend_dev_memory(dev, &free, &total);
+    response.free_mem = free;
+    response.total_mem = total;
+"""
+
+_RPC_MEMORY_NEW = """\
+    ggml_backend_dev_memory(dev, &free, &total);
+    const size_t limit = edgerun_mem_limit();  // edgerun patch: report the --mem cap
+    if (limit != 0) {
+        const size_t used = g_edgerun_allocated;
+        total = std::min(total, limit);
+        free = std::min(free, limit > used ? limit - used : 0);
+    }
+    response.free_mem = free;
+    response.total_mem = total;
+"""
+
+_RPC_DTOR_OLD = """\
+rpc_server::~rpc_server() {
+    for (auto buffer : buffers) {
+        ggml_backend_buffer_free(buffer);
+"""
+
+_RPC_DTOR_NEW = """\
+rpc_server::~rpc_server() {
+    for (auto buffer : buffers) {
+        g_edgerun_allocated -= ggml_backend_buffer_get_size(buffer);  // edgerun patch
+        ggml_backend_buffer_free(buffer);
+"""
+
+_RPC_TIMEOUT_OLD = """\
+    struct sockaddr_in addr;
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(port);
+    struct hostent * server = gethostbyname(host);
+"""
+
+_RPC_TIMEOUT_NEW = """\
+#ifndef _WIN32
+    // edgerun patch: a server that stops answering fails the request after this many seconds
+    if (const char * t = getenv("EDGERUN_RPC_TIMEOUT_S")) {
+        struct timeval tv = { (time_t) atoi(t), 0 };
+        if (tv.tv_sec > 0) {
+            setsockopt(sockfd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+            setsockopt(sockfd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+        }
+    }
+#endif
+    struct sockaddr_in addr;
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(port);
+    struct hostent * server = gethostbyname(host);
+"""
+
 PATCHES = (
     Patch("cuda-graph-key-per-shape", "vendor/llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu",
           _CUDA_GRAPH_KEY_OLD, _CUDA_GRAPH_KEY_NEW),
+    Patch("rpc-failure-state", _RPC, _RPC_STATE_OLD, _RPC_STATE_NEW),
+    Patch("rpc-hello-no-abort", _RPC, _RPC_HELLO_OLD, _RPC_HELLO_NEW),
+    Patch("rpc-dispatcher-failed", _RPC, _RPC_MEMBERS_OLD, _RPC_MEMBERS_NEW),
+    Patch("rpc-connect-no-abort", _RPC, _RPC_START_OLD, _RPC_START_NEW),
+    Patch("rpc-request-no-abort", _RPC, _RPC_WORK_OLD, _RPC_WORK_NEW),
+    Patch("rpc-compute-failed", _RPC, _RPC_COMPUTE_OLD, _RPC_COMPUTE_NEW),
+    Patch("rpc-server-mem-alloc", _RPC, _RPC_ALLOC_OLD, _RPC_ALLOC_NEW),
+    Patch("rpc-server-mem-free", _RPC, _RPC_FREE_OLD, _RPC_FREE_NEW),
+    Patch("rpc-server-mem-report", _RPC, _RPC_MEMORY_OLD, _RPC_MEMORY_NEW),
+    Patch("rpc-server-mem-teardown", _RPC, _RPC_DTOR_OLD, _RPC_DTOR_NEW),
+    Patch("rpc-client-timeout", _RPC_TRANSPORT, _RPC_TIMEOUT_OLD, _RPC_TIMEOUT_NEW),
 )
 
 

@@ -88,13 +88,13 @@ fi
 # load crashed in iostream code whenever another extension had loaded the system libstdc++ first.
 cmake_args+=" -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL"
 cmake_args+=" -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
+# ggml's RPC backend (`edgerun rpc-server`, `--rpc`): one more small library, libggml-rpc
+cmake_args+=" -DGGML_RPC=ON"
 
 stamp="$state/.llama-cpp-python.stamp"
 want="$LLAMA_CPP_VERSION $backend $cmake_args"
-if [ "$backend" = cuda ]; then
-  # the CUDA build carries edgerun's source patches (scripts/llama_patches.py says what and why)
-  want+=" patches=$(sha256sum scripts/llama_patches.py | cut -d' ' -f1)"
-fi
+# every build carries edgerun's source patches (scripts/llama_patches.py says what and why)
+want+=" patches=$(sha256sum scripts/llama_patches.py | cut -d' ' -f1)"
 tools_want="$want"  # what the tools' build depends on: the library's settings, not its build tree
 build_dir=()
 bench=${EDGERUN_LLAMA_BENCH:-0}
@@ -102,11 +102,9 @@ if [ -n "${EDGERUN_LLAMA_BUILD_DIR:-}" ]; then
   build_dir=(-C "build-dir=$EDGERUN_LLAMA_BUILD_DIR")
   want+=" build-dir=$EDGERUN_LLAMA_BUILD_DIR"
 fi
-# A kept build tree needs its source kept too (a pip build of a .tar.gz unpacks it into a temporary
-# folder): then the source is always the patched copy in build/llama-src (the patch touches only
-# ggml-cuda, which a CPU build does not compile).
-patched=0
-if [ "$backend" = cuda ] || [ -n "${EDGERUN_LLAMA_BUILD_DIR:-}" ]; then patched=1; fi
+# The source is always the patched copy in build/llama-src (which a kept build tree needs anyway:
+# a pip build of a .tar.gz unpacks it into a temporary folder).
+patched=1
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "building llama-cpp-python $LLAMA_CPP_VERSION ($backend backend; takes a few minutes)"
   if [ -n "$bundle" ]; then  # the bundle's build tools, or those already installed
@@ -117,6 +115,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   sdist="${EDGERUN_LLAMA_SDIST:-llama-cpp-python==$LLAMA_CPP_VERSION}"
   if [ "$patched" = 1 ]; then
     "$py" scripts/llama_patches.py prepare "${EDGERUN_LLAMA_SDIST:-}" "$root/build/llama-src" --version "$LLAMA_CPP_VERSION"
+    sha256sum scripts/llama_patches.py | cut -d' ' -f1 > "$root/build/llama-src/.edgerun-patches"
     sdist="$root/build/llama-src"
   fi
   CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
@@ -134,8 +133,10 @@ tools_ok() { for t in llama-bench llama-server llama-batched-bench; do [ -x "$ro
 if [ "$bench" = 1 ] && { [ "$(cat "$tools_dir/.stamp" 2>/dev/null)" != "$tools_want" ] || ! tools_ok; }; then
   log "building llama-bench, llama-server and llama-batched-bench in $tools_dir"
   src="$root/build/llama-src"
-  if ! grep -qx "Version: $LLAMA_CPP_VERSION" "$src/PKG-INFO" 2>/dev/null; then
+  if ! grep -qx "Version: $LLAMA_CPP_VERSION" "$src/PKG-INFO" 2>/dev/null \
+     || [ "$(cat "$src/.edgerun-patches" 2>/dev/null)" != "$(sha256sum scripts/llama_patches.py | cut -d' ' -f1)" ]; then
     "$py" scripts/llama_patches.py prepare "${EDGERUN_LLAMA_SDIST:-}" "$src" --version "$LLAMA_CPP_VERSION"
+    sha256sum scripts/llama_patches.py | cut -d' ' -f1 > "$src/.edgerun-patches"
   fi
   rm -f "$tools_dir/.stamp"
   # shellcheck disable=SC2086  # cmake_args is a list of -D flags without spaces

@@ -15,15 +15,21 @@ _spec = importlib.util.spec_from_file_location(
 llama_patches = sys.modules["llama_patches"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(llama_patches)
 
-(KEY,) = llama_patches.PATCHES
+KEY = next(p for p in llama_patches.PATCHES if p.name == "cuda-graph-key-per-shape")
 UPSTREAM = "#include <cstdint>\n\n" + KEY.old + "\n\nstatic bool ggml_cuda_graph_update_required() { return true; }\n"
 
 
 def _sdist(tmp_path: Path, text: str) -> Path:
+    """An sdist whose CUDA file is `text` and whose other patched files hold their upstream texts."""
     root = tmp_path / "src" / "llama_cpp_python-0.3.36"
-    target = root / KEY.path
-    target.parent.mkdir(parents=True)
-    target.write_text(text)
+    others: dict[str, list[str]] = {}
+    for patch in llama_patches.PATCHES:
+        if patch.path != KEY.path:
+            others.setdefault(patch.path, []).append(patch.old)
+    for path, text_ in [(KEY.path, text), *((p, "\n// upstream\n".join(o)) for p, o in others.items())]:
+        target = root / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text_)
     archive = tmp_path / "llama_cpp_python-0.3.36.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(root, arcname=root.name)
@@ -33,7 +39,7 @@ def _sdist(tmp_path: Path, text: str) -> Path:
 def test_the_patch_applies_once_from_an_archive_or_a_folder(tmp_path):
     archive = _sdist(tmp_path, UPSTREAM)
     dest = tmp_path / "patched"
-    assert llama_patches.prepare(str(archive), dest, "0.3.36") == [KEY.name]
+    assert llama_patches.prepare(str(archive), dest, "0.3.36") == [p.name for p in llama_patches.PATCHES]
     patched = (dest / KEY.path).read_text()
     assert KEY.old not in patched and KEY.new in patched
     assert patched.endswith("static bool ggml_cuda_graph_update_required() { return true; }\n")

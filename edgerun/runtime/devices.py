@@ -38,7 +38,11 @@ def cpu_features() -> str:
 
 
 def gpu_offload_supported() -> bool:
-    return bool(llama_cpp.llama_supports_gpu_offload())
+    """A local GPU backend is here. llama.cpp's own llama_supports_gpu_offload is also true for a
+    CPU build with the RPC backend (remote devices), so ask ggml for a local GPU device."""
+    from edgerun.runtime import rpc
+
+    return bool(llama_cpp.llama_supports_gpu_offload()) and bool(rpc.local_gpus())
 
 
 def gpus() -> list[Gpu]:

@@ -25,11 +25,20 @@ class Model:
     """Owns a llama_model*. Validated with gguf-py before llama.cpp sees the file."""
 
     def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, info: GGUFInfo | None = None,
-                 vocab_only: bool = False):
+                 vocab_only: bool = False, devices: list[int] | None = None,
+                 tensor_split: tuple[float, ...] | None = None):
+        """devices: the ggml devices to offload to, in order (None: llama.cpp picks every local
+        GPU); tensor_split: the share of offloaded layers per device (runtime/placement.py)."""
         self.info = info or inspect(path)
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
+        if devices is not None:  # NULL-terminated; llama.cpp copies the list while it loads
+            keep_devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+            params.devices = ctypes.cast(keep_devices, ctypes.c_void_p)
+        if tensor_split is not None:  # llama.cpp reads llama_max_devices() floats
+            keep_split = (ctypes.c_float * llama_cpp.llama_max_devices())(*tensor_split)
+            params.tensor_split = keep_split
         self.n_gpu_layers = n_gpu_layers
         self.ptr = llama_cpp.llama_model_load_from_file(str(self.info.path).encode(), params)
         if not self.ptr:

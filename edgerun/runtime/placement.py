@@ -68,6 +68,7 @@ class Plan:
     target: Split
     draft: Split | None
     reason: str
+    devices: "DeviceSplit | None" = None  # the target over remote devices (--rpc), which then decides
 
     @property
     def gpu_bytes(self) -> int:
@@ -185,3 +186,124 @@ def _check_ram(p: Plan, free_ram: int) -> None:
         f"the plan needs {p.cpu_bytes / GiB:.1f} GiB of RAM and {p.gpu_bytes / GiB:.1f} GiB of VRAM,"
         f" but only {max(usable, 0) / GiB:.1f} GiB of RAM is free (after a {RAM_MARGIN / GiB:.0f} GiB margin)"
     )
+
+
+# Remote devices (--rpc): target blocks over several devices besides the local CPU.
+
+@dataclass(frozen=True)
+class Place:
+    """A device that can hold target blocks besides the local CPU: a local GPU or a device an RPC
+    server offers. `free` is what it reported; `speed` ranks it (higher is faster per block)."""
+
+    name: str
+    free: int
+    speed: float = 1.0
+    margin: int = VRAM_MARGIN  # what the device's own runtime keeps (CUDA context, fragmentation)
+
+
+@dataclass(frozen=True)
+class Share:
+    name: str
+    blocks: int
+    bytes: int
+    head: bool  # the output head (llama.cpp puts it on the last device that holds blocks)
+
+
+@dataclass(frozen=True)
+class DeviceSplit:
+    """The target over several devices: llama.cpp's n_gpu_layers and tensor_split (one entry per
+    device, in its order), and what each side holds."""
+
+    shares: tuple[Share, ...]
+    cpu_blocks: int
+    cpu_bytes: int
+    n_layers: int
+
+    @property
+    def gpu_layers(self) -> int:
+        """llama.cpp offloads the output layer and n_gpu_layers - 1 blocks (the last ones)."""
+        offloaded = sum(s.blocks for s in self.shares)
+        return offloaded + 1 if offloaded else 0
+
+    @property
+    def tensor_split(self) -> tuple[float, ...]:
+        """Positions per device: llama.cpp deals the offloaded blocks, then the head, out in
+        device order by these proportions; whole counts give exact block counts."""
+        return tuple(float(s.blocks + s.head) for s in self.shares)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(s.bytes for s in self.shares)
+
+    def describe(self) -> str:
+        parts = [f"{self.cpu_blocks}/{self.n_layers} layers on the local CPU ({self.cpu_bytes / GiB:.2f} GiB RAM)"]
+        parts += [f"{s.blocks} on {s.name}{' + head' if s.head else ''} ({s.bytes / GiB:.2f} GiB)"
+                  for s in self.shares if s.blocks]
+        return ", ".join(parts)
+
+
+def plan_devices(fp: Footprint, places: list[Place], *, free_ram: int) -> DeviceSplit:
+    """Target blocks over the places (in llama.cpp's device order) and the local CPU.
+
+    Layers run one after another, so a reply is fastest with every block on the fastest device
+    that has room: places are filled fastest first, places of equal speed in proportion to their
+    free memory (as llama.cpp's own default split), and the local CPU takes the first blocks that
+    fit nowhere else. The head goes with the last place that holds blocks; room for it is kept
+    on every place. Refuses a plan whose host share does not fit in free RAM."""
+    per_block = max(fp.layer_bytes, default=0) + fp.kv_per_layer
+    room = [max(0, p.free - p.margin - fp.compute_bytes - fp.output_bytes) // max(per_block, 1) for p in places]
+    blocks = [0] * len(places)
+    left = fp.n_layers
+    for speed in sorted({p.speed for p in places}, reverse=True):
+        group = [i for i, p in enumerate(places) if p.speed == speed and room[i] > 0]
+        take = min(left, sum(room[i] for i in group))
+        if not take:
+            continue
+        total_room = sum(room[i] for i in group)
+        given = {i: min(room[i], take * room[i] // total_room) for i in group}
+        for i in sorted(group, key=lambda i: room[i] - given[i], reverse=True):  # what rounding left
+            extra = min(room[i] - given[i], take - sum(given.values()))
+            given[i] += extra
+        for i, n in given.items():
+            blocks[i] = n
+        left -= take
+    last = max((i for i, n in enumerate(blocks) if n), default=-1)
+    shares = []
+    start = left  # llama.cpp: the first blocks stay on the CPU, the rest go out in device order
+    for i, p in enumerate(places):
+        layer = sum(fp.layer_bytes[start:start + blocks[i]]) + fp.kv_per_layer * blocks[i]
+        start += blocks[i]
+        used = layer + (fp.compute_bytes if blocks[i] else 0) + (fp.output_bytes if i == last else 0)
+        shares.append(Share(p.name, blocks[i], used, i == last))
+    cpu = (sum(fp.layer_bytes[:left]) + fp.kv_per_layer * left + fp.input_bytes + fp.compute_bytes
+           + (fp.head_on_cpu if last < 0 else 0))
+    result = DeviceSplit(tuple(shares), left, cpu, fp.n_layers)
+    usable = free_ram - RAM_MARGIN
+    if cpu > usable:
+        raise ConfigError(
+            f"{left} of {fp.n_layers} layers fit on no device and need {cpu / GiB:.1f} GiB of RAM here, but only"
+            f" {max(usable, 0) / GiB:.1f} GiB is free: add an rpc server, give the servers more --mem, or use a smaller --ctx")
+    return result
+
+
+LOCAL_GPU_SPEED = 4.0  # a local GPU ranks before remote devices: no network hop, and the head's logits stay here
+REMOTE_MARGIN = 128 << 20  # a server reports free memory after its runtime started; fragmentation only
+
+
+def plan_remote(target: Footprint, draft: Footprint | None, remote: list[Place], *, free_vram: int, free_ram: int,
+                gpu_available: bool) -> Plan:
+    """The plan with remote devices (--rpc): the draft stays local (its steps are latency-bound: a
+    network round trip per draft token would lose), on the local GPU first when it fits; the
+    target's blocks go over the remote devices and what the local GPU has left (listed last, so
+    the head and its logits stay on this machine), the rest on the local CPU."""
+    dsplit, note = _draft_first(draft, free_vram - VRAM_MARGIN) if gpu_available else (
+        (split(draft, 0), "draft on CPU") if draft else (None, ""))
+    places = list(remote)
+    if gpu_available:
+        left = free_vram - (dsplit.gpu_bytes if dsplit else 0)
+        places.append(Place("local GPU", left, speed=LOCAL_GPU_SPEED))
+    devs = plan_devices(target, places, free_ram=free_ram - (dsplit.cpu_bytes if dsplit else 0))
+    tsplit = Split(devs.gpu_layers, target.n_layers, devs.device_bytes, devs.cpu_bytes)
+    offloaded = sum(s.blocks for s in devs.shares)
+    head = f"{offloaded}/{target.n_layers} target layers on {len([s for s in devs.shares if s.blocks])} device(s)"
+    return Plan(tsplit, dsplit, "; ".join(x for x in (head, note) if x), devices=devs)

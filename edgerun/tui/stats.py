@@ -60,7 +60,7 @@ class StatsPanel(Widget):
 
     def show_plan(self, plan: placement.Plan) -> None:
         """Where the models live: layers and bytes per device (set once per model load)."""
-        text = f"target  {plan.target.describe()}"
+        text = f"target  {plan.devices.describe() if plan.devices else plan.target.describe()}"
         if plan.draft:
             text += f"\ndraft   {plan.draft.describe()}"
         self._set("placement", text)

@@ -1,0 +1,246 @@
+"""ggml's RPC backend: `edgerun rpc-server` processes on 127.0.0.1 and a Runner with `--rpc`.
+
+Every server a test starts is a real `edgerun rpc-server` process, stopped when the test ends
+(killed if it does not stop). The splits are checked against llama.cpp's own accounting (the
+memory each server reports in use after the load) and the replies against a local run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from edgerun.errors import ConfigError, EngineError
+from edgerun.runtime import placement, rpc
+from edgerun.runner import Runner
+from edgerun.settings import EngineSettings, SamplerSettings
+
+MiB = 2**20
+GREEDY = SamplerSettings(temperature=0.0)
+START_S = 60  # a server must listen within this (it imports llama.cpp first)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def servers(n: int, *, mem_gib: float, threads: int = 1):
+    """n `edgerun rpc-server`s on 127.0.0.1, each capped at mem_gib; yields (endpoints, processes)."""
+    procs, eps = [], []
+    try:
+        for _ in range(n):
+            port = _free_port()
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "edgerun.cli", "rpc-server", "--port", str(port), "--mem", str(mem_gib),
+                 "--threads", str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            eps.append(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + START_S
+        for ep, proc in zip(eps, procs):
+            host, port = ep.split(":")
+            while True:
+                try:
+                    socket.create_connection((host, int(port)), timeout=1).close()
+                    break
+                except OSError:
+                    assert proc.poll() is None, f"rpc-server exited: {proc.stderr.read()}"
+                    assert time.monotonic() < deadline, "rpc-server did not start listening"
+                    time.sleep(0.1)
+        yield eps, procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            proc.stderr.close()
+
+
+def _reply(runner: Runner, prompt: str, n: int) -> list[int]:
+    return [r.token for r in runner.stream(runner.raw_tokens(prompt), GREEDY, max_tokens=n) if hasattr(r, "token")]
+
+
+def _used(runner: Runner) -> list[int]:
+    """Bytes each server's device holds now (what it reports as total minus free)."""
+    import ctypes
+
+    out = []
+    for d in runner.remote:
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        rpc.lib().base.ggml_backend_dev_memory(d.handle, ctypes.byref(free), ctypes.byref(total))
+        out.append(total.value - free.value)
+    return out
+
+
+# --- the plan (pure) -------------------------------------------------------------------------
+
+def _fp(n: int = 10, block: int = 100 * MiB) -> placement.Footprint:
+    return placement.Footprint(layer_bytes=(block,) * n, input_bytes=50 * MiB, output_bytes=80 * MiB,
+                               kv_per_layer=10 * MiB, compute_bytes=20 * MiB)
+
+
+def test_equal_devices_share_blocks_in_proportion_to_free_memory():
+    places = [placement.Place("a", 2000 * MiB, margin=0), placement.Place("b", 1000 * MiB, margin=0)]
+    split = placement.plan_devices(_fp(), places, free_ram=64 * 2**30)
+    assert [s.blocks for s in split.shares] == [7, 3] and split.cpu_blocks == 0
+    assert [s.head for s in split.shares] == [False, True]  # the head goes with the last device
+    # llama.cpp deals n_gpu_layers - 1 blocks plus the head by tensor_split, in device order
+    assert split.gpu_layers == 11 and split.tensor_split == (7.0, 4.0)
+
+
+def test_faster_devices_fill_first_and_the_cpu_takes_what_fits_nowhere():
+    fp = _fp()
+    places = [placement.Place("slow", 10_000 * MiB, speed=1.0, margin=0),
+              placement.Place("fast", 130 + 450 * MiB, speed=4.0, margin=0)]
+    split = placement.plan_devices(fp, places, free_ram=64 * 2**30)
+    # fast: (450 MiB - compute 20 - head 80) // 110 = 3 blocks; the slow one takes the other 7
+    assert [s.blocks for s in split.shares] == [7, 3]
+    tight = [placement.Place("small", 300 * MiB, margin=0)]
+    split = placement.plan_devices(fp, tight, free_ram=64 * 2**30)
+    assert split.shares[0].blocks == 1 and split.cpu_blocks == 9
+    assert split.cpu_bytes >= 9 * 110 * MiB + fp.input_bytes
+
+
+def test_a_plan_whose_host_share_does_not_fit_is_refused_naming_the_fix():
+    with pytest.raises(ConfigError, match="fit on no device.*add an rpc server"):
+        placement.plan_devices(_fp(), [placement.Place("small", 300 * MiB, margin=0)], free_ram=1200 * MiB)
+
+
+def test_the_draft_stays_local_and_a_local_gpu_comes_last():
+    remote = [placement.Place("RPC0", 600 * MiB, margin=0)]
+    plan = placement.plan_remote(_fp(), _fp(2, 10 * MiB), remote, free_vram=8 * 2**30, free_ram=64 * 2**30,
+                                 gpu_available=True)
+    assert plan.draft.all_on_gpu
+    assert [s.name for s in plan.devices.shares] == ["RPC0", "local GPU"]
+    assert plan.devices.shares[-1].head and plan.devices.shares[-1].blocks == 10  # the faster local GPU first
+
+
+# --- the build, endpoints and servers down at start ---------------------------------------------
+
+def test_the_installed_llama_cpp_has_the_patched_rpc_backend_and_no_false_gpu():
+    assert rpc.lib().patched and rpc.available() == "built in (GGML_RPC=ON)"
+    from edgerun.runtime import devices
+    import llama_cpp
+
+    # llama.cpp counts RPC as GPU offload; edgerun asks for a local GPU device instead
+    assert devices.gpu_offload_supported() == bool(rpc.local_gpus())
+    assert llama_cpp.llama_supports_rpc()
+
+
+
+def test_endpoints_parse_and_bad_ones_say_the_form():
+    assert [str(e) for e in rpc.parse("10.0.0.2:50052, box")] == ["10.0.0.2:50052", f"box:{rpc.DEFAULT_PORT}"]
+    for bad in ("host:port", ":50052", "a:1,a:1", ",", "h:70000"):
+        with pytest.raises(ConfigError, match="--rpc"):
+            rpc.parse(bad)
+
+
+def test_a_server_down_at_start_is_one_line_naming_it(tiny_model):
+    port = _free_port()
+    with pytest.raises(ConfigError, match=f"rpc server 127.0.0.1:{port} is not reachable"):
+        Runner(tiny_model, EngineSettings(rpc=f"127.0.0.1:{port}", n_ctx=256), draft="none")
+    out = subprocess.run([sys.executable, "-m", "edgerun.cli", "run", "hi", "-m", str(tiny_model), "--rpc",
+                          f"127.0.0.1:{port}", "--draft", "none"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        f"edgerun: error: rpc server 127.0.0.1:{port} is not reachable (Connection refused):"
+        " start `edgerun rpc-server` there or drop it from --rpc"]
+
+
+def test_the_server_refuses_a_port_in_use_and_warns_off_loopback():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "edgerun.cli", "rpc-server", "--port", str(port)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "rpc-server", "--host", "0.0.0.0", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()
+        assert "warning: ggml's RPC protocol has no authentication" in first and "trusted network only" in first
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+        proc.stderr.close()
+
+
+# --- a tiny model split over two servers ------------------------------------------------------
+
+def test_a_tiny_model_split_over_two_servers_replies_as_the_local_run(tiny_model):
+    settings = EngineSettings(n_ctx=512, gpu_layers="0")
+    with Runner(tiny_model, settings, draft="none") as local:
+        want = _reply(local, "split me", 48)
+    with servers(2, mem_gib=0.5) as (eps, _):
+        with Runner(tiny_model, settings.replace(rpc=",".join(eps)), draft="none") as remote:
+            assert [s.blocks for s in remote.plan.devices.shares] == [1, 1]  # equal servers: one block each
+            assert remote.plan.devices.cpu_blocks == 0
+            held = _used(remote)
+            assert all(n > 0 for n in held), held  # each server holds its share (weights and KV)
+            sent_before = rpc.traffic()[0]
+            assert _reply(remote, "split me", 48) == want
+            assert rpc.traffic()[0] > sent_before  # the decode steps went over the sockets
+
+
+def test_a_server_that_stops_answering_ends_the_reply_within_the_timeout(tiny_model):
+    settings = EngineSettings(n_ctx=512, gpu_layers="0", rpc_timeout_s=2)
+    with servers(2, mem_gib=0.5) as (eps, procs):
+        with Runner(tiny_model, settings.replace(rpc=",".join(eps)), draft="none") as runner:
+            assert len(_reply(runner, "warm", 4)) == 4
+            procs[1].send_signal(signal.SIGSTOP)  # alive but silent: only the timeout can end the wait
+            start = time.monotonic()
+            with pytest.raises(EngineError, match=f"rpc server {eps[1]} stopped answering"):
+                _reply(runner, "and now", 200)
+            assert time.monotonic() - start < 2 + 10  # the timeout, plus scheduling on a loaded machine
+            # the runner stays usable as an object: a new reply says the same at once, close frees it
+            with pytest.raises(EngineError, match=eps[1]):
+                _reply(runner, "again", 4)
+
+
+# --- the real 1.5B over two capped servers (model tier) ---------------------------------------
+
+def test_the_1_5b_split_over_two_capped_servers_equals_the_local_run(target_model):
+    from edgerun.models.gguf_check import inspect
+    from edgerun.runner import footprint
+
+    settings = EngineSettings(n_ctx=512, gpu_layers="0")
+    info = inspect(target_model)
+    fp = footprint(info, settings)
+    # each server holds well under the whole model, the two together all of it
+    cap = (sum(fp.layer_bytes) + fp.output_bytes) * 0.7 + placement.REMOTE_MARGIN + 2 * fp.compute_bytes
+    prompt = "def fibonacci(n):"
+    with Runner(target_model, settings, draft="none") as local:
+        want = _reply(local, prompt, 24)
+    with servers(2, mem_gib=cap / 2**30) as (eps, procs):
+        with Runner(target_model, settings.replace(rpc=",".join(eps)), draft="none") as runner:
+            shares = [s.blocks for s in runner.plan.devices.shares]
+            assert all(0 < n < info.n_layers for n in shares) and runner.plan.devices.cpu_blocks == 0
+            assert _reply(runner, prompt, 24) == want
+            # a server killed mid-reply: the reply ends with the error naming it, within the timeout
+            stream = runner.stream(runner.raw_tokens("Write a long story about a lighthouse."), GREEDY,
+                                   max_tokens=400)
+            got, start = 0, None
+            with pytest.raises(EngineError, match=f"rpc server {eps[0]} stopped answering"):
+                for record in stream:
+                    if hasattr(record, "token"):
+                        got += 1
+                        if got == 3:
+                            procs[0].kill()
+                            procs[0].wait()
+                            start = time.monotonic()
+            assert start is not None and time.monotonic() - start < settings.rpc_timeout_s
