@@ -162,11 +162,12 @@ class Runner:
     def _load_target(self) -> Model:
         devs = self.plan.devices
         if devs is None:
-            return Model(self.path, n_gpu_layers=self.plan.target.gpu_layers, info=self.info)
+            return Model(self.path, n_gpu_layers=self.plan.target.gpu_layers, info=self.info,
+                         repack=self.settings.cpu_repack)
         # llama.cpp's device order is the plan's: the servers' devices, then the local GPU
         handles = [d.handle for d in self.remote] + rpc.local_gpus()[:len(devs.shares) - len(self.remote)]
         model = Model(self.path, n_gpu_layers=devs.gpu_layers, info=self.info, devices=handles,
-                      tensor_split=devs.tensor_split)
+                      tensor_split=devs.tensor_split, repack=self.settings.cpu_repack)
         try:
             self.rpc_watch.check()  # a server lost while the weights went out
         except Exception:

@@ -60,6 +60,9 @@ class EngineSettings:
     n_seq: int = 1  # sequences sharing the context (the server's slots), each up to n_ctx tokens
     rpc: str = ""  # remote devices: "HOST:PORT[,HOST:PORT...]" of `edgerun rpc-server`s (empty: none)
     rpc_timeout_s: float = 30.0  # a server silent this long in a request counts as lost
+    # llama.cpp's repacked CPU weights: faster x86 kernels that round differently. An RPC server's CPU
+    # backend has none, so a split matches a local run bit for bit only with this off
+    cpu_repack: bool = True
 
     def replace(self, **changes) -> "EngineSettings":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})

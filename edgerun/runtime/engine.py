@@ -26,13 +26,15 @@ class Model:
 
     def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, info: GGUFInfo | None = None,
                  vocab_only: bool = False, devices: list[int] | None = None,
-                 tensor_split: tuple[float, ...] | None = None):
+                 tensor_split: tuple[float, ...] | None = None, repack: bool = True):
         """devices: the ggml devices to offload to, in order (None: llama.cpp picks every local
-        GPU); tensor_split: the share of offloaded layers per device (runtime/placement.py)."""
+        GPU); tensor_split: the share of offloaded layers per device (runtime/placement.py);
+        repack: llama.cpp's repacked CPU weights (faster x86 kernels, other rounding)."""
         self.info = info or inspect(path)
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
+        params.use_extra_bufts = repack
         if devices is not None:  # NULL-terminated; llama.cpp copies the list while it loads
             keep_devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
             params.devices = ctypes.cast(keep_devices, ctypes.c_void_p)
