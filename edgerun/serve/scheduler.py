@@ -267,6 +267,8 @@ class Scheduler:
             self._finish(job)
 
     def _emit(self, job: Job, token: int) -> None:
+        if self.runner.rpc_watch is not None:  # --rpc: a token made after a server was lost is not sent
+            self.runner.rpc_watch.check()
         now = time.perf_counter()
         if job.first_at is None:
             job.first_at = now
