@@ -265,8 +265,8 @@ class Runner:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def chat_tokens(self, messages: list[dict]) -> list[int]:
-        return chat_tokens(self.model, messages)
+    def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return chat_tokens(self.model, messages, tools)
 
     def raw_tokens(self, text: str) -> list[int]:
         return self.model.tokenize(text, add_special=True, parse_special=False)
@@ -300,10 +300,10 @@ def _watched(records: Iterator[Prefill | Step | Round], watch: rpc.Watch) -> Ite
         raise
 
 
-def chat_tokens(model: Model, messages: list[dict]) -> list[int]:
-    """The model's chat template applied to messages, tokenized (special tokens parsed)."""
+def chat_tokens(model: Model, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The model's chat template applied to messages (and tools), tokenized (special tokens parsed)."""
     bos = model.piece(model.bos, special=True).decode(errors="replace") if model.bos >= 0 else ""
     eos = model.piece(model.eos, special=True).decode(errors="replace") if model.eos >= 0 else ""
-    text = chat_template.render(model.info.chat_template, messages, bos=bos, eos=eos)
+    text = chat_template.render(model.info.chat_template, messages, bos=bos, eos=eos, tools=tools)
     # a template that writes BOS itself must not get a second one from the tokenizer
     return model.tokenize(text, add_special=model.add_bos and not (bos and text.startswith(bos)))

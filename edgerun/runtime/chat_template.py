@@ -44,11 +44,14 @@ START_TIMEOUT_S = 60.0  # the helper's interpreter start and import on a loaded 
 _HINT = "use --raw to skip it"
 
 
-def render(template: str | None, messages: list[dict], *, bos: str = "", eos: str = "") -> str:
-    """The prompt text for `messages`, ending with the assistant's turn opened. InvalidModelFile if
+def render(template: str | None, messages: list[dict], *, bos: str = "", eos: str = "",
+           tools: list[dict] | None = None) -> str:
+    """The prompt text for `messages`, ending with the assistant's turn opened; `tools` (OpenAI's
+    function definitions) go to the template as its `tools`. InvalidModelFile if
     the template fails, runs past TIME_LIMIT_S, needs more than MEMORY_LIMIT_BYTES or writes more
     than 4x its request plus OUTPUT_LIMIT_CHARS."""
-    request = json.dumps({"template": template or CHATML, "messages": messages, "bos": bos, "eos": eos})
+    request = json.dumps({"template": template or CHATML, "messages": messages, "bos": bos, "eos": eos,
+                          "tools": tools or None})
     with _lock:
         reply = _helper().ask(request.encode() + b"\n")
     if "error" in reply:
@@ -187,7 +190,8 @@ def _limit_memory() -> None:
 def _render_request(req: dict, limit: int) -> str:
     parts, size = [], 0
     stream = _compile(req["template"]).generate(
-        messages=req["messages"], add_generation_prompt=True, bos_token=req["bos"], eos_token=req["eos"])
+        messages=req["messages"], add_generation_prompt=True, bos_token=req["bos"], eos_token=req["eos"],
+        tools=req.get("tools"))
     for part in stream:
         size += len(part)
         if size > limit:

@@ -29,6 +29,7 @@ from edgerun.decode import governor
 from edgerun.errors import EdgerunError
 from edgerun.serve.metrics import Metrics
 from edgerun.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
+from edgerun.serve import tools as toolcalls
 from edgerun.serve.scheduler import Delta, Done, Failed, Job, Overloaded, Scheduler
 
 PUBLIC = {"/health"}  # answered without a key: a load balancer's probe
@@ -163,10 +164,11 @@ async def _complete(state: ServerState, request: Request, *, chat: bool) -> Resp
         raise APIError(400, f"model '{req.model}' is not served here; this server has '{state.names[0]}'"
                        " (GET /v1/models)", param="model", code="model_not_found")
     runner = scheduler.runner
+    constraint, tools = await _constraint(req, runner) if chat else (None, None)
     try:
         if chat:
             messages = [m.for_template() for m in req.messages]
-            prompt = await anyio.to_thread.run_sync(runner.chat_tokens, messages)
+            prompt = await anyio.to_thread.run_sync(runner.chat_tokens, messages, tools)
         else:
             prompt = await anyio.to_thread.run_sync(runner.raw_tokens, req.prompt)
     except EdgerunError as exc:
@@ -181,16 +183,36 @@ async def _complete(state: ServerState, request: Request, *, chat: bool) -> Resp
     events: asyncio.Queue = asyncio.Queue()
     mailbox = state.mailbox(asyncio.get_running_loop())
     job = Job(prompt, req.sampling(), req.limit or runner.ctx.n_ctx, req.stop,
-              sink=lambda event: mailbox.post(events, event))
+              sink=lambda event: mailbox.post(events, event), constraint=constraint)
     try:
         scheduler.submit(job)
     except Overloaded as exc:
         raise APIError(503, str(exc), type="server_error", code="server_overloaded") from None
-    reply = _Reply(req.model, chat)
+    reply = _Reply(req.model, chat, tools=bool(tools))
     if req.stream:
         return EventSourceResponse(_stream(reply, job, events, req.include_usage), ping=15,
                                    shutdown_grace_period=state.drain_s)  # a shutdown drains
     return JSONResponse(reply.whole(*await _collect(job, events, request)))
+
+
+async def _constraint(req: ChatRequest, runner):
+    """The reply's grammar (tools or response_format) and the tools for the template; a schema or
+    grammar that cannot work is a 400 before the request is queued."""
+    tools = [t.for_template() for t in req.tools] if req.tools and req.tool_choice != "none" else None
+    param = "tools" if tools else "response_format"
+    if tools and not toolcalls.supports_tools(runner.model.info.chat_template):
+        raise APIError(400, "this model's chat template has no tool-call format edgerun knows (<tool_call>);"
+                       " use a model whose template renders tools (e.g. Qwen2.5)", param="tools", code="invalid_value")
+    try:
+        if tools:
+            constraint = toolcalls.tool_constraint(tools, req.tool_choice, req.parallel_tool_calls)
+        else:
+            constraint = toolcalls.response_constraint(req.response_format)
+        if constraint is not None:  # llama.cpp's own parse, on this model's vocabulary
+            await anyio.to_thread.run_sync(constraint.start, runner.ctx.address)
+    except EdgerunError as exc:
+        raise APIError(400, str(exc), param=param, code="invalid_value") from None
+    return constraint, tools
 
 
 async def _events(job: Job, events: asyncio.Queue) -> AsyncIterator[Delta | Done | Failed]:
@@ -243,14 +265,22 @@ async def _collect(job: Job, events: asyncio.Queue, request: Request) -> tuple[s
 async def _stream(reply: "_Reply", job: Job, events: asyncio.Queue, include_usage: bool) -> AsyncIterator[str]:
     if reply.chat:
         yield json.dumps(reply.chunk(role=True))
+    calls = toolcalls.CallParser() if reply.tools else None
     async for event in _events(job, events):
-        if isinstance(event, Delta):
+        if isinstance(event, Delta) and calls is not None:
+            for part in calls.feed(event.text):
+                yield json.dumps(reply.call_chunk(part))
+        elif isinstance(event, Delta):
             yield json.dumps(reply.chunk(text=event.text))
         elif isinstance(event, Failed):
             yield json.dumps(APIError(500, event.message, type="server_error").body())
             return
         else:
-            yield json.dumps(reply.chunk(finish=event.finish))
+            if calls is not None:
+                for part in calls.finish():
+                    yield json.dumps(reply.call_chunk(part))
+            finish = "tool_calls" if calls is not None and calls.calls and event.finish == "stop" else event.finish
+            yield json.dumps(reply.chunk(finish=finish))
             if include_usage:
                 yield json.dumps(reply.usage_chunk(event))
     yield "[DONE]"
@@ -259,8 +289,8 @@ async def _stream(reply: "_Reply", job: Job, events: asyncio.Queue, include_usag
 class _Reply:
     """The response objects of one request, chat or text completion."""
 
-    def __init__(self, model: str, chat: bool):
-        self.model, self.chat = model, chat
+    def __init__(self, model: str, chat: bool, tools: bool = False):
+        self.model, self.chat, self.tools = model, chat, tools
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -277,7 +307,15 @@ class _Reply:
                 "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
     def whole(self, text: str, done: Done) -> dict:
-        if self.chat:
+        if self.chat and self.tools:
+            content, calls = toolcalls.parse_reply(text)
+            message = {"role": "assistant", "content": content or None}
+            if calls:
+                message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+                    "name": c["name"], "arguments": c["arguments"]}} for c in calls]
+            finish = "tool_calls" if calls and done.finish == "stop" else done.finish
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        elif self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": done.finish}
         else:
@@ -290,6 +328,18 @@ class _Reply:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._head(True) | {"choices": [choice]}
+
+    def call_chunk(self, part) -> dict:
+        """A streamed piece of a reply that may call tools: content, a call's start, or its arguments."""
+        if isinstance(part, toolcalls.Content):
+            return self.chunk(text=part.text)
+        if isinstance(part, toolcalls.CallStart):
+            call = {"index": part.index, "id": part.id, "type": "function",
+                    "function": {"name": part.name, "arguments": ""}}
+        else:
+            call = {"index": part.index, "function": {"arguments": part.text}}
+        choice = {"index": 0, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
         return self._head(True) | {"choices": [choice]}
 
     def usage_chunk(self, done: Done) -> dict:

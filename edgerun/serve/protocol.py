@@ -6,6 +6,7 @@ edgerun cannot honour are refused with a 400 naming the field, rather than silen
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -39,9 +40,22 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -51,7 +65,36 @@ class Message(_Strict):
         return "".join(part.text for part in self.content)
 
     def for_template(self) -> dict:
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            # templates (Qwen2.5's) write the arguments with tojson: they want the object, not its text
+            out["tool_calls"] = [{"type": "function", "id": c.id, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise ValueError(f"a tool call's arguments must be JSON text, not {text[:40]!r}") from None
+
+
+class Function(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: Function
+
+    def for_template(self) -> dict:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
 
 
 class StreamOptions(_Strict):
@@ -104,15 +147,22 @@ class _Sampling(_Strict):
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool = True
     response_format: dict | None = None
 
     @model_validator(mode="after")
-    def _not_yet(self):
-        if self.tools:
-            raise ValueError("tools are not supported by this server yet")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported by this server yet")
+    def _tools(self):
+        if isinstance(self.tool_choice, dict):
+            name = (self.tool_choice.get("function") or {}).get("name")
+            if self.tool_choice.get("type") != "function" or not isinstance(name, str):
+                raise ValueError('tool_choice must be "none", "auto", "required" or'
+                                 ' {"type": "function", "function": {"name": ...}}')
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if self.tools and self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("give tools or a response_format, not both")
         return self
 
     @property

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from edgerun import _native
 from edgerun.decode import governor
+from edgerun.decode.constrain import Constraint
 from edgerun.decode.generate import Prefill, Step, generate, native_errors, native_params, native_rng
 from edgerun.decode.speculative import Round
 from edgerun.errors import EdgerunError, EngineError
@@ -90,6 +91,8 @@ class Job:
     text: ReplyText | None = None
     rng: _native.Rng | None = None
     params: _native.SamplerParams | None = None
+    constraint: Constraint | None = None  # a grammar the reply must match (tools, response_format)
+    grammar: _native.Grammar | None = None  # its state, after every token the reply has so far
 
 
 class Scheduler:
@@ -197,6 +200,7 @@ class Scheduler:
         job.seq, job.cached = seq, reuse
         job.text = ReplyText(self.model, job.stop, max(1, min(job.max_tokens, room)))
         job.params, job.rng = native_params(job.sampling), native_rng(job.sampling.seed)
+        job.grammar = job.constraint.start(ctx.address) if job.constraint is not None else None
         del self._idle[seq]
 
     def _end_cancelled(self) -> None:
@@ -206,7 +210,8 @@ class Scheduler:
     def _alone(self, job: Job) -> None:
         """The reply as `edgerun run` decodes it, until it ends or another request arrives."""
         replies = generate(self.ctx, job.prompt, job.sampling, max_tokens=job.text.max_tokens, cancel=job.cancel,
-                           spec_config=self.spec, memory=self.runner.governors, seq=job.seq, rng=job.rng)
+                           spec_config=self.spec, memory=self.runner.governors, seq=job.seq, rng=job.rng,
+                           grammar=job.grammar)
         handed_over = False
         try:
             for item in replies:
@@ -260,7 +265,7 @@ class Scheduler:
     def _pick(self, job: Job, output: int) -> None:
         history = job.sampling.penalty_window(self.ctx.held(job.seq))
         with native_errors("sampling a token"):
-            token = _native.sample_context(self.ctx.address, output, history, job.params, job.rng)
+            token = _native.sample_context(self.ctx.address, output, history, job.params, job.rng, job.grammar)
         job.last = token
         self._emit(job, token)
         if job.text.finish:
