@@ -37,6 +37,8 @@ def footprint(info: GGUFInfo, settings: EngineSettings) -> placement.Footprint:
         compute_bytes=placement.compute_bytes(
             min(settings.n_ubatch, settings.n_batch), info.n_vocab, info.n_embd, info.n_head, n_ctx),
         tied_head=info.tied_head,
+        body_compute_bytes=placement.compute_bytes(
+            min(settings.n_ubatch, settings.n_batch), 0, info.n_embd, info.n_head, n_ctx),
     )
 
 

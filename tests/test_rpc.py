@@ -15,6 +15,8 @@ import sys
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from edgerun.errors import ConfigError, EngineError
 from edgerun.runtime import placement, rpc
@@ -114,6 +116,21 @@ def test_faster_devices_fill_first_and_the_cpu_takes_what_fits_nowhere():
     assert split.cpu_bytes >= 9 * 110 * MiB + fp.input_bytes
 
 
+@given(st.lists(st.tuples(st.integers(0, 3000), st.sampled_from([1.0, 4.0])), min_size=1, max_size=4),
+       st.integers(1, 40))
+def test_a_device_plan_places_every_block_once_and_never_past_a_place_s_room(places, n):
+    fp = _fp(n)
+    spots = [placement.Place(f"d{i}", free * MiB, speed=speed, margin=0) for i, (free, speed) in enumerate(places)]
+    split = placement.plan_devices(fp, spots, free_ram=2**50)
+    assert sum(s.blocks for s in split.shares) + split.cpu_blocks == n
+    for share, spot in zip(split.shares, spots):
+        assert share.bytes <= spot.free or not share.blocks
+    heads = [s for s in split.shares if s.head]
+    assert len(heads) == (1 if split.cpu_blocks < n else 0) and (not heads or heads[0] is
+                                                                  [s for s in split.shares if s.blocks][-1])
+    assert split.gpu_layers == (n - split.cpu_blocks + 1 if split.cpu_blocks < n else 0)
+
+
 def test_a_plan_whose_host_share_does_not_fit_is_refused_naming_the_fix():
     with pytest.raises(ConfigError, match="fit on no device.*add an rpc server"):
         placement.plan_devices(_fp(), [placement.Place("small", 300 * MiB, margin=0)], free_ram=1200 * MiB)
@@ -195,6 +212,12 @@ def test_a_tiny_model_split_over_two_servers_replies_as_the_local_run(tiny_model
             sent_before = rpc.traffic()[0]
             assert _reply(remote, "split me", 48) == want
             assert rpc.traffic()[0] > sent_before  # the decode steps went over the sockets
+        from edgerun import doctor
+
+        text = doctor.report(str(tiny_model), ",".join(eps))  # the plan as `edgerun doctor --rpc` shows it
+        assert "RPC backend: built in (GGML_RPC=ON)" in text
+        assert sum(f"at {ep}:" in text for ep in eps) == 2
+        assert f"0/2 layers on the local CPU" in text and f"({eps[1]}) + head" in text
 
 
 def test_a_server_that_stops_answering_ends_the_reply_within_the_timeout(tiny_model):

@@ -23,6 +23,7 @@ class Footprint:
     kv_per_layer: int  # K + V of one block at the chosen context
     compute_bytes: int  # scratch for one micro-batch (activations, attention scores, logits)
     tied_head: bool = False  # the head reuses the input embeddings (a GPU head needs its own copy)
+    body_compute_bytes: int | None = None  # scratch of a device without the head (no logits); None: compute_bytes
 
     @property
     def n_layers(self) -> int:
@@ -248,10 +249,24 @@ def plan_devices(fp: Footprint, places: list[Place], *, free_ram: int) -> Device
     Layers run one after another, so a reply is fastest with every block on the fastest device
     that has room: places are filled fastest first, places of equal speed in proportion to their
     free memory (as llama.cpp's own default split), and the local CPU takes the first blocks that
-    fit nowhere else. The head goes with the last place that holds blocks; room for it is kept
-    on every place. Refuses a plan whose host share does not fit in free RAM."""
+    fit nowhere else. The head goes with the last place that holds blocks, and room for it (and
+    its logits' scratch) is kept there. Refuses a plan whose host share does not fit in free RAM."""
+    # the head (and its logits' scratch) goes to the last place with blocks: try each place as that
+    # one, last first, with no blocks after it; the first that gets blocks itself is the plan
+    for head_on in range(len(places) - 1, -1, -1):
+        blocks, left = _deal(fp, places, head_on)
+        if blocks[head_on]:
+            return _shares(fp, places, blocks, left, free_ram)
+    return _shares(fp, places, [0] * len(places), fp.n_layers, free_ram)
+
+
+def _deal(fp: Footprint, places: list[Place], head_on: int) -> tuple[list[int], int]:
+    """Blocks per place (fastest first, equal speeds by free memory) and the blocks left for the CPU."""
     per_block = max(fp.layer_bytes, default=0) + fp.kv_per_layer
-    room = [max(0, p.free - p.margin - fp.compute_bytes - fp.output_bytes) // max(per_block, 1) for p in places]
+    body = fp.compute_bytes if fp.body_compute_bytes is None else fp.body_compute_bytes
+    room = [0 if i > head_on else max(0, p.free - p.margin - (fp.compute_bytes + fp.output_bytes if i == head_on
+                                                             else body)) // max(per_block, 1)
+            for i, p in enumerate(places)]
     blocks = [0] * len(places)
     left = fp.n_layers
     for speed in sorted({p.speed for p in places}, reverse=True):
@@ -260,23 +275,29 @@ def plan_devices(fp: Footprint, places: list[Place], *, free_ram: int) -> Device
         if not take:
             continue
         total_room = sum(room[i] for i in group)
-        given = {i: min(room[i], take * room[i] // total_room) for i in group}
-        for i in sorted(group, key=lambda i: room[i] - given[i], reverse=True):  # what rounding left
-            extra = min(room[i] - given[i], take - sum(given.values()))
-            given[i] += extra
+        quota = {i: take * room[i] / total_room for i in group}  # largest remainders get what rounding left
+        given = {i: int(quota[i]) for i in group}
+        for i in sorted(group, key=lambda i: quota[i] - given[i], reverse=True) + group:
+            if sum(given.values()) < take and given[i] < room[i]:
+                given[i] += 1
         for i, n in given.items():
             blocks[i] = n
         left -= take
+    return blocks, left
+
+
+def _shares(fp: Footprint, places: list[Place], blocks: list[int], left: int, free_ram: int) -> DeviceSplit:
     last = max((i for i, n in enumerate(blocks) if n), default=-1)
+    body = fp.compute_bytes if fp.body_compute_bytes is None else fp.body_compute_bytes
     shares = []
     start = left  # llama.cpp: the first blocks stay on the CPU, the rest go out in device order
     for i, p in enumerate(places):
         layer = sum(fp.layer_bytes[start:start + blocks[i]]) + fp.kv_per_layer * blocks[i]
         start += blocks[i]
-        used = layer + (fp.compute_bytes if blocks[i] else 0) + (fp.output_bytes if i == last else 0)
+        used = layer + (fp.compute_bytes + fp.output_bytes if i == last else body if blocks[i] else 0)
         shares.append(Share(p.name, blocks[i], used, i == last))
-    cpu = (sum(fp.layer_bytes[:left]) + fp.kv_per_layer * left + fp.input_bytes + fp.compute_bytes
-           + (fp.head_on_cpu if last < 0 else 0))
+    cpu = (sum(fp.layer_bytes[:left]) + fp.kv_per_layer * left + fp.input_bytes
+           + (fp.compute_bytes + fp.head_on_cpu if last < 0 else body))
     result = DeviceSplit(tuple(shares), left, cpu, fp.n_layers)
     usable = free_ram - RAM_MARGIN
     if cpu > usable:
