@@ -168,8 +168,9 @@ class Runner:
                          repack=self.settings.cpu_repack)
         # llama.cpp's device order is the plan's: the servers' devices, then the local GPU
         handles = [d.handle for d in self.remote] + rpc.local_gpus()[:len(devs.shares) - len(self.remote)]
-        model = Model(self.path, n_gpu_layers=devs.gpu_layers, info=self.info, devices=handles,
-                      tensor_split=devs.tensor_split, repack=self.settings.cpu_repack)
+        used = [(h, x) for h, x in zip(handles, devs.tensor_split) if x]  # a device given nothing is left out
+        model = Model(self.path, n_gpu_layers=devs.gpu_layers, info=self.info, devices=[h for h, _ in used],
+                      tensor_split=tuple(x for _, x in used), repack=self.settings.cpu_repack)
         try:
             self.rpc_watch.check()  # a server lost while the weights went out
         except Exception:

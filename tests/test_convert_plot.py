@@ -42,3 +42,5 @@ def test_plot_needs_the_evaluation(tmp_path, capsys):
     r = run_cli(capsys, "convert", str(tmp_path), "-o", str(tmp_path / "o.gguf"), "--quant", "Q4_K_M",
                 "--eval-chunks", "0", "--plot", str(tmp_path / "p.png"), "--k-quants-only")
     assert r.returncode == 2 and "drop --eval-chunks 0" in r.stderr
+    r = run_cli(capsys, "convert", str(tmp_path), "--name", "../x", "--quant", "Q4_K_M")
+    assert r.returncode == 2 and "model name '../x'" in r.stderr and len(r.stderr.strip().splitlines()) == 1

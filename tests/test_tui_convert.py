@@ -141,6 +141,7 @@ async def test_convert_in_the_app_cancel_resume_report_register_and_use(home, tm
         model = local.find("tiny-6bpw")
         assert model.origin == str(src) and model.summary["kld_mean"] == job.report["kld_mean"]
         assert model.plot_path and open(model.plot_path, "rb").read(4) == b"\x89PNG"
+        assert f"plot: {model.plot_path}" in shown
 
         # picked as target right away, with the offered draft
         app.screen.query_one("#convert-draft").value = "tiny-chat"

@@ -179,7 +179,7 @@ def options_from_form(values: dict) -> tuple[str, object]:
     return name, opts
 
 
-def report_text(doc: dict, drafts: list[str]) -> str:
+def report_text(doc: dict, drafts: list[str], plot_path: Path | None = None) -> str:
     """The finished conversion as the dialog shows it."""
     from edgerun.convert.plot import text_chart
 
@@ -189,6 +189,8 @@ def report_text(doc: dict, drafts: list[str]) -> str:
                      f"PPL {doc['ppl']:.3f} (F16 {doc['ppl_ref']:.3f})")
     if doc.get("stock"):
         lines += ["against llama.cpp's stock recipes (bar: log mean KLD):", *text_chart(doc)]
+    if plot_path:
+        lines.append(f"plot: {plot_path}")
     lines.append("draft candidates (same vocabulary): " + (", ".join(drafts) if drafts else "none present"))
     return "\n".join(lines)
 
@@ -329,6 +331,6 @@ class ConvertScreen(ModalScreen):
             bar.update(total=job.total, progress=job.done)
         if job.state == "done" and job.report is not None and self._shown_drafts != job.drafts:
             self._shown_drafts = list(job.drafts)
-            report.update(report_text(job.report, job.drafts))
+            report.update(report_text(job.report, job.drafts, job.options.plot))
             self.query_one("#convert-draft", Select).set_options(
                 [("none", "none")] + [(d, d) for d in job.drafts])
