@@ -219,9 +219,9 @@ class ConvertScreen(ModalScreen):
             with Horizontal(classes="field"):
                 yield Label("name")
                 yield Input(placeholder="e.g. qwen2.5-coder-1.5b-3bpw", id="name", compact=True)
-            for label, key, on_ in (("weigh each role (slower, better)", "weigh", True),
-                                    ("i-quants (off: k-quants only)", "i-quants", True),
-                                    ("compare with stock recipes", "stock", False)):
+            for label, key, on_ in (("weigh roles (slower)", "weigh", True),
+                                    ("i-quants (off: k-only)", "i-quants", True),
+                                    ("vs stock recipes (plot)", "stock", False)):
                 with Horizontal(classes="field"):
                     yield Label(label)
                     yield Switch(on_, id=key)
