@@ -7,7 +7,6 @@ memory each server reports in use after the load) and the replies against a loca
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess

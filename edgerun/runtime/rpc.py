@@ -159,12 +159,6 @@ def local_gpus() -> list[int]:
             and not binding.base.ggml_backend_dev_name(d).decode().startswith("RPC")]
 
 
-def device_array(handles: list[int]) -> ctypes.Array:
-    """A NULL-terminated ggml_backend_dev_t list for llama_model_params.devices (keep it alive
-    while the model loads)."""
-    return (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
-
-
 def _state() -> tuple[str, int, int]:
     binding = lib()
     buf = ctypes.create_string_buffer(4096)
@@ -232,8 +226,8 @@ def start_server(endpoint: Endpoint, *, threads: int, mem_bytes: int | None, cac
         os.environ["EDGERUN_RPC_MEM_BYTES"] = str(mem_bytes)
     arr = (ctypes.c_void_p * len(devices))(*devices)
     args = (str(endpoint).encode(), cache_dir.encode() if cache_dir else None, threads, len(devices), arr)
+    # `args` holds the device list for as long as the thread runs the call
     thread = threading.Thread(target=binding.rpc.ggml_backend_rpc_start_server, args=args,
                               name="rpc-server", daemon=True)
-    thread._edgerun_keep = arr  # the device list must outlive the call
     thread.start()
     return thread
