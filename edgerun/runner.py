@@ -12,6 +12,7 @@ from edgerun.decode.constrain import Constraint
 from edgerun.decode.generate import Prefill, Step, generate
 from edgerun.decode import governor
 from edgerun.decode.governor import Costs, GovernorMemory
+from edgerun.decode.ngram import NgramPool
 from edgerun.decode.speculative import Round, SpecConfig, k_limit
 from edgerun.models import catalog, fetch
 from edgerun.models.fetch import resolve
@@ -149,6 +150,7 @@ class Runner:
         speculating = self.draft_ctx is not None or ngram
         self.spec_config = SpecConfig(draft=self.draft_ctx, ngram=ngram, k=self._fit_k(spec_k, speculating), rule=rule)
         self.governors = GovernorMemory()
+        self.ngram_pool: NgramPool | None = None  # earlier conversations' tokens the n-gram drafter may draft from
         if self.plan.gpu_bytes:
             self._warm_up(speculating=speculating)
         if speculating and spec_k is None:
@@ -287,7 +289,7 @@ class Runner:
         the prompt is evaluated."""
         grammar = constraint.start(self.ctx.address) if constraint is not None else None
         records = generate(self.ctx, tokens, sampling, max_tokens=max_tokens, cancel=cancel, grammar=grammar,
-                         spec_config=self.spec_config, memory=self.governors)
+                         spec_config=self.spec_config, memory=self.governors, pool=self.ngram_pool)
         return records if self.rpc_watch is None else _watched(records, self.rpc_watch)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgerun.decode.ngram import MATCH_MAX, NGRAM_MAX, NGRAM_MIN, NgramDrafter
+from edgerun.decode.ngram import MATCH_MAX, NGRAM_MAX, NGRAM_MIN, NgramDrafter, NgramPool, Proposal
 
 
 def brute_force(seq: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
@@ -205,3 +205,50 @@ def test_lookup_matches_brute_force_with_its_match_length(seq, k):
     assert got.match == (brute_match(seq, k) if got.tokens else 0)
     if got.tokens:
         assert NGRAM_MIN <= got.match <= MATCH_MAX
+
+
+# ---------------------------------------------------------------- the pool of earlier conversations
+
+def pool_brute_force(pool_seqs: list[list[int]], seq: list[int], k: int) -> list[int]:
+    """What followed the longest suffix n-gram of `seq` at its latest occurrence inside one of
+    the pool's sequences (newest sequence last), scanning every start."""
+    for n in range(min(NGRAM_MAX, len(seq)), NGRAM_MIN - 1, -1):
+        suffix = seq[len(seq) - n:]
+        for s in reversed(pool_seqs):
+            for start in range(len(s) - n, -1, -1):
+                if s[start:start + n] == suffix:
+                    return s[start + n:start + n + k]
+    return []
+
+
+def test_pool_drafts_what_an_earlier_conversation_had():
+    pool = NgramPool()
+    pool.add([5, 6, 7, 8, 9])
+    d = drafter([1, 2, 6, 7], pool=pool)
+    assert d.lookup(3) == Proposal([8, 9], 2)  # stops where that conversation's tokens end
+
+
+def test_the_conversation_wins_unless_the_pool_matches_longer():
+    pool = NgramPool()
+    pool.add([1, 2, 3, 4, 40])
+    assert drafter([0, 3, 4, 30, 9, 3, 4], pool=pool).propose(1) == [30]   # both match 2: its own
+    assert drafter([0, 3, 4, 30, 2, 3, 4], pool=pool).propose(1) == [40]   # the pool matches 3
+
+
+def test_pool_keeps_its_newest_sequences_whole():
+    pool = NgramPool(limit=12)
+    for s in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]):
+        pool.add(s)
+    assert pool.lookup([1, 2], 2).tokens == []          # the oldest went out
+    assert pool.lookup([6, 7], 2).tokens == [8]
+    assert len(pool) <= 12
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=12), max_size=4),
+       st.lists(st.integers(0, 3), min_size=2, max_size=8), st.integers(1, 6))
+def test_pool_lookup_matches_a_scan(pool_seqs, seq, k):
+    pool = NgramPool()
+    for s in pool_seqs:
+        pool.add(s)
+    assert pool.lookup(seq, k).tokens == pool_brute_force([s for s in pool_seqs if s], seq, k)

@@ -127,6 +127,10 @@ def report(doc: dict) -> str:
     return "\n".join([head, "", *align(rows)])
 
 
+def _spread(r: dict | None) -> str:
+    return f"{r['median']:.3f} ({r['min']:.2f}-{r['max']:.2f})" if r else "-"
+
+
 def _num(value, scale: float = 1.0, suffix: str = "") -> str:
     return "-" if value is None else f"{value * scale:.2f}{suffix}"
 
@@ -146,6 +150,12 @@ CHAT_TURN_1 = ("Write a Python function `parse_duration(text)` that turns string
                " Only the code.")
 CHAT_TURN_2 = ("Rename the function to `duration_seconds`, add type hints, and return the complete code"
                " again.")
+# a fresh conversation asking for much what an earlier one (CHAT_TURN_1's) got: what a pool of
+# earlier conversations could draft from
+RECALL = ("Write a Python function `duration_seconds(text: str) -> int` that parses durations such as"
+          " '1h30m', '45s' or '2h5m10s' into seconds, raising ValueError for malformed input, with type"
+          " hints and a docstring. Only the code.")
+CASES = ("edit", "chat", "codegen", "recall")
 
 
 def ngram_args(p: argparse.ArgumentParser) -> None:
@@ -156,7 +166,10 @@ def ngram_args(p: argparse.ArgumentParser) -> None:
                    help="llama-cpp-python prompt lookup num_pred_tokens settings to run (default 10; the"
                         " best median is 'its best setting')")
     _run_args(p, tokens=256, repeat=5, what="interleaved runs per case and side")
-    p.add_argument("--cases", default="edit,chat,codegen", help="which cases: edit, chat, codegen (default all)")
+    p.add_argument("--cases", default="edit,chat,codegen", help="which cases: edit, chat, codegen, recall"
+                   " (default edit,chat,codegen; recall: a fresh conversation asking what an earlier one got)")
+    p.add_argument("--pool", action="store_true", help="also run n-gram with a pool of an earlier conversation"
+                   " (CHAT_TURN_1 answered at T=0) on the codegen and recall cases")
 
 
 def ngram_measure(args: argparse.Namespace, say) -> dict:
@@ -166,8 +179,8 @@ def ngram_measure(args: argparse.Namespace, say) -> dict:
 
     pld = sorted({int(v) for v in args.pld.split(",") if v.strip().isdigit() and int(v) > 0})
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    if not pld or not set(cases) <= {"edit", "chat", "codegen"}:
-        raise argparse.ArgumentTypeError("--pld takes counts (10,16) and --cases edit, chat or codegen")
+    if not pld or not set(cases) <= set(CASES):
+        raise argparse.ArgumentTypeError(f"--pld takes counts (10,16) and --cases {', '.join(CASES)}")
     threads = args.threads or physical_cores()
     engine = EngineSettings().replace(n_ctx=args.ctx, n_threads=threads, gpu_layers="0")
     prompts = {p.name: p.text for p in load_prompts("spec")}
@@ -175,6 +188,7 @@ def ngram_measure(args: argparse.Namespace, say) -> dict:
     with Runner(args.model, engine) as plain, Runner(args.model, engine, ngram=True) as ngram:
         loaded = {name: ngram.governors.get(name) for name in ("ngram",)}  # what `edgerun run` starts from
         lookup = PromptLookup(plain.path, n_ctx=args.ctx, threads=threads) if "edit" in cases else None
+        pool = _earlier_conversation(plain, args.max_tokens) if args.pool else None
         try:
             for rep in range(args.repeat):
                 for temp in args.temps:
@@ -183,6 +197,9 @@ def ngram_measure(args: argparse.Namespace, say) -> dict:
                         sides = {"plain": lambda: _edgerun_case(plain, case, prompts, temp, seed, args.max_tokens),
                                  "ngram": lambda: _edgerun_case(ngram, case, prompts, temp, seed, args.max_tokens,
                                                                 fresh=loaded)}
+                        if pool is not None and case in ("codegen", "recall"):
+                            sides["pool"] = lambda: _edgerun_case(ngram, case, prompts, temp, seed, args.max_tokens,
+                                                                  fresh=loaded, pool=pool)
                         if case == "edit":
                             tokens = plain.chat_tokens([{"role": "user", "content": prompts[EDIT_PROMPT]}])
                             for n in pld:
@@ -200,26 +217,42 @@ def ngram_measure(args: argparse.Namespace, say) -> dict:
                 lookup.close()
     settings = {"model": args.model, "temps": args.temps, "pld": pld, "cases": cases, "max_tokens": args.max_tokens,
                 "repeat": args.repeat, "seed": args.seed, "ctx": args.ctx, "threads": threads,
-                "chat": [CHAT_TURN_1, CHAT_TURN_2]}
+                "chat": [CHAT_TURN_1, CHAT_TURN_2], "recall": RECALL, "pool_tokens": len(pool) if pool else 0}
     rows = _ngram_rows(runs, pld)
     return {"settings": settings, "runs": runs, "rows": rows, "claims": _ngram_claims(rows)}
 
 
+def _earlier_conversation(runner, max_tokens: int):
+    """A pool holding one earlier conversation (CHAT_TURN_1 and its T=0 reply), as the chat app
+    would keep both roles of it."""
+    from edgerun.decode.ngram import NgramPool
+    from edgerun.settings import SamplerSettings
+
+    tokens = runner.chat_tokens([{"role": "user", "content": CHAT_TURN_1}])
+    pool = NgramPool()
+    pool.add(tokens + _reply(runner, tokens, SamplerSettings().replace(temperature=0.0), max_tokens)["tokens"])
+    return pool
+
+
 def _edgerun_case(runner, case: str, prompts: dict, temp: float, seed: int, max_tokens: int,
-                  fresh: dict | None = None) -> dict:
+                  fresh: dict | None = None, pool=None) -> dict:
     """One measured reply on an edgerun runner. `fresh`: the governor state the runner had at load,
     restored first, so each run starts as `edgerun run` (or a new chat) does. The chat case answers
-    turn 1 first (unmeasured) and measures the reply to turn 2."""
+    turn 1 first (unmeasured) and measures the reply to turn 2. `pool`: the n-gram pool to draft
+    from too (none otherwise)."""
     from edgerun.decode.governor import GovernorMemory
     from edgerun.settings import SamplerSettings
 
     if fresh is not None:
         runner.governors = GovernorMemory(fresh)
+    runner.ngram_pool = pool
     sampling = SamplerSettings().replace(temperature=temp, seed=seed)
     if case == "chat":
         first = [{"role": "user", "content": CHAT_TURN_1}]
         answer = _reply(runner, runner.chat_tokens(first), sampling, max_tokens)
         messages = first + [{"role": "assistant", "content": answer["text"]}, {"role": "user", "content": CHAT_TURN_2}]
+    elif case == "recall":
+        messages = [{"role": "user", "content": RECALL}]
     else:
         messages = [{"role": "user", "content": prompts[EDIT_PROMPT if case == "edit" else CODEGEN_PROMPT]}]
     return _reply(runner, runner.chat_tokens(messages), sampling, max_tokens)
@@ -259,7 +292,9 @@ def _ngram_rows(runs: list[dict], pld: list[int]) -> list[dict]:
         drafted = sum(r["drafted"] for r in ngram_runs)
         rows.append({"case": case, "temperature": temp, "tok_s": tok_s, "ratios": against, "best_pld": best,
                      "acceptance": sum(r["accepted"] for r in ngram_runs) / drafted if drafted else 0.0,
-                     "tokens": statistics.median(r["n"] for r in ngram_runs)})
+                     "tokens": statistics.median(r["n"] for r in ngram_runs),
+                     "pool_gain": ratio_spread([by["ngram"][i] for i in reps], [by["pool"][i] for i in reps])
+                     if "pool" in by else None})
     return rows
 
 
@@ -275,8 +310,11 @@ def _ngram_claims(rows: list[dict]) -> list[dict]:
                                      ">= 1.0"))
         elif r["case"] == "chat":
             out.append(claim(f"{at}: second reply, n-gram / plain", r["ratios"]["plain"], ">= 1.5"))
-        else:
+        elif r["case"] == "codegen":
             out.append(claim(f"{at}: n-gram / plain worst run", r["ratios"]["plain"]["min"], ">= 0.97"))
+        if r.get("pool_gain"):  # the pool pays where it helps recall and costs nothing elsewhere
+            goal = ">= 1.1" if r["case"] == "recall" else ">= 0.97"
+            out.append(claim(f"{at}: n-gram with the pool / without, median", r["pool_gain"], goal))
     return out
 
 
@@ -284,13 +322,15 @@ def ngram_report(doc: dict) -> str:
     from edgerun.bench.table import align
 
     s = doc["settings"]
-    sides = ["plain", "ngram"] + [f"pld{n}" for n in s["pld"]]
-    table = [["case", "T", *[f"{x} tok/s" for x in sides], "n-gram / plain", "n-gram / best pld", "acceptance"]]
+    sides = ["plain", "ngram"] + [f"pld{n}" for n in s["pld"]] + (["pool"] if s.get("pool_tokens") else [])
+    table = [["case", "T", *[f"{x} tok/s" for x in sides], "n-gram / plain", "n-gram / best pld", "acceptance"]
+             + (["pool / n-gram"] if s.get("pool_tokens") else [])]
     for r in doc["rows"]:
         ratio = lambda side: (f"{r['ratios'][side]['median']:.3f} ({r['ratios'][side]['min']:.2f}-"
                               f"{r['ratios'][side]['max']:.2f})" if side and side in r["ratios"] else "-")
         table.append([r["case"], f"{r['temperature']:g}", *[_num(r["tok_s"].get(x)) for x in sides],
-                      ratio("plain"), ratio(r["best_pld"]), f"{r['acceptance']:.2f}"])
+                      ratio("plain"), ratio(r["best_pld"]), f"{r['acceptance']:.2f}"]
+                     + ([_spread(r.get("pool_gain"))] if s.get("pool_tokens") else []))
     head = (f"{s['model']}, {s['threads']} threads, up to {s['max_tokens']} tokens, {s['repeat']} interleaved runs;"
             " ratios are medians (min-max) of paired runs")
     return "\n".join([head, "", *align(table)])

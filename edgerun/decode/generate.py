@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from edgerun import _native
 from edgerun.decode import governor
 from edgerun.decode.governor import GovernorMemory
+from edgerun.decode.ngram import NgramPool
 from edgerun.decode.speculative import Round, SpecConfig, Speculator
 from edgerun.errors import ConfigError, EngineError
 from edgerun.runtime.engine import Context
@@ -116,6 +117,7 @@ def generate(
     seq: int = 0,
     rng: _native.Rng | None = None,
     grammar: _native.Grammar | None = None,
+    pool: NgramPool | None = None,
 ) -> Iterator[Prefill | Step | Round]:
     """Evaluate the prompt, then decode up to max_tokens tokens, yielding each as it is ready.
     `memory`: what the governors learned in earlier replies (the runner's), updated in place.
@@ -123,6 +125,7 @@ def generate(
     seeded from sampling.seed), which a caller that goes on decoding the reply itself passes in.
     `grammar`: a constraint's state (decode/constrain.py) before the reply's first token; every
     token is picked under it, drafted ones too, and it advances along each token yielded.
+    `pool`: tokens from outside the conversation the n-gram drafter may also draft from.
     Closed between rounds, the context holds the prompt and every token yielded but the last."""
     if not prompt:  # e.g. `--raw ""` with a model that adds no BOS: no logits to pick from
         raise ConfigError("the prompt has no tokens, so there is nothing to continue; give some text")
@@ -137,7 +140,7 @@ def generate(
     params = native_params(sampling)
     rng = rng or native_rng(sampling.seed)
     speculator = Speculator(spec_config or SpecConfig(), ctx, prompt, sampling, params, memory=memory, seq=seq,
-                            grammar=grammar)
+                            grammar=grammar, pool=pool)
     speculator.settle_sampler()  # before the prompt: its last output is the first pick
     evaluated = ctx.prefill(prompt, seq)
     yield Prefill(len(prompt), evaluated, time.perf_counter() - start)

@@ -30,8 +30,8 @@ class NgramDrafter:
     a reply (a proposal stops after one)."""
 
     def __init__(self, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN,
-                 is_stop: Callable[[int], bool] | None = None):
-        self.n_max, self.n_min, self.is_stop = n_max, n_min, is_stop
+                 is_stop: Callable[[int], bool] | None = None, pool: NgramPool | None = None):
+        self.n_max, self.n_min, self.is_stop, self.pool = n_max, n_min, is_stop, pool
         self.tokens: list[int] = []
         self._last_end: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # n-grams ending before this position are in the index
@@ -57,21 +57,26 @@ class NgramDrafter:
         return self.lookup(k).tokens
 
     def lookup(self, k: int) -> Proposal:
-        """The proposal (up to k tokens, cut after a stop token) and its match length."""
+        """The proposal (up to k tokens, cut after a stop token) and its match length: from the
+        conversation, or from the pool where that matches longer."""
         seq = self.tokens
         if k <= 0 or len(seq) < self.n_min + 1:
             return Proposal([])
+        own = self._own(k)
+        if self.pool is not None and own.match < MATCH_MAX:
+            other = self.pool.lookup(seq, k, self.is_stop)
+            if other.tokens and other.match > own.match:
+                return other
+        return own
+
+    def _own(self, k: int) -> Proposal:
+        seq = self.tokens
         self._index_until(len(seq) - 1)
         for n in range(min(self.n_max, len(seq) - 1), self.n_min - 1, -1):
             end = self._last_end.get(tuple(seq[-n:]))
             if end is None:
                 continue
-            tokens = seq[end : end + k]
-            if self.is_stop is not None:
-                stop = next((i for i, t in enumerate(tokens) if self.is_stop(t)), None)
-                if stop is not None:
-                    tokens = tokens[: stop + 1]
-            return Proposal(tokens, self._match_length(end, n))
+            return Proposal(_cut(seq[end : end + k], self.is_stop), self._match_length(end, n))
         return Proposal([])
 
     def _match_length(self, end: int, n: int) -> int:
@@ -80,3 +85,63 @@ class NgramDrafter:
         while m < MATCH_MAX and end - m - 1 >= 0 and seq[end - m - 1] == seq[len(seq) - m - 1]:
             m += 1
         return m
+
+
+def _cut(tokens: list[int], is_stop: Callable[[int], bool] | None) -> list[int]:
+    """`tokens` up to and with the first stop token."""
+    if is_stop is not None:
+        stop = next((i for i, t in enumerate(tokens) if is_stop(t)), None)
+        if stop is not None:
+            return tokens[: stop + 1]
+    return tokens
+
+
+POOL_TOKENS = 1 << 16  # tokens an NgramPool keeps (its index: about 3 entries per token)
+_GAP = -1  # between two sequences of a pool: no n-gram spans it, no proposal runs past it
+
+
+class NgramPool:
+    """Tokens from outside the conversation (earlier conversations' replies), indexed as the
+    drafter indexes its own: the drafter's fallback when the conversation has no match. Keeps the
+    newest `limit` tokens."""
+
+    def __init__(self, limit: int = POOL_TOKENS, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN):
+        self.limit, self.n_max, self.n_min = limit, n_max, n_min
+        self.tokens: list[int] = []
+        self._last_end: dict[tuple[int, ...], int] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, tokens: Iterable[int]) -> None:
+        new = list(tokens)
+        if not new:
+            return
+        start = len(self.tokens) + 1
+        self.tokens += [_GAP, *new]
+        if len(self.tokens) > self.limit:  # drop the oldest sequences whole, then index afresh
+            keep = self.tokens[-self.limit:]
+            cut = keep.index(_GAP) if _GAP in keep else len(keep)
+            self.tokens, self._last_end, start = keep[cut:], {}, 1
+        for e in range(start + self.n_min, len(self.tokens) + 1):
+            for n in range(self.n_min, self.n_max + 1):
+                gram = tuple(self.tokens[e - n : e])
+                if e - n >= 0 and _GAP not in gram:
+                    self._last_end[gram] = e
+
+    def lookup(self, seq: list[int], k: int, is_stop: Callable[[int], bool] | None = None) -> Proposal:
+        """What followed the longest suffix n-gram of `seq` in the pool, up to k tokens."""
+        for n in range(min(self.n_max, len(seq)), self.n_min - 1, -1):
+            end = self._last_end.get(tuple(seq[-n:]))
+            if end is None:
+                continue
+            tokens = self.tokens[end : end + k]
+            if _GAP in tokens:
+                tokens = tokens[: tokens.index(_GAP)]
+            tokens = _cut(tokens, is_stop)
+            m = n
+            while (m < MATCH_MAX and end - m - 1 >= 0 and m < len(seq)
+                   and self.tokens[end - m - 1] == seq[len(seq) - m - 1]):
+                m += 1
+            return Proposal(tokens, m)
+        return Proposal([])

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from edgerun import _native
 from edgerun.decode import governor
 from edgerun.decode.governor import Decision, GovernorMemory, Kind
-from edgerun.decode.ngram import NgramDrafter
+from edgerun.decode.ngram import NgramDrafter, NgramPool
 from edgerun.errors import ConfigError
 from edgerun.runtime.engine import Context
 from edgerun.settings import SamplerSettings
@@ -97,7 +97,8 @@ class Speculator:
 
     def __init__(self, cfg: SpecConfig, target: Context, prompt: list[int], sampling: SamplerSettings,
                  params: _native.SamplerParams, *, memory: GovernorMemory | None = None, seq: int = 0,
-                 grammar: _native.Grammar | None = None):
+                 grammar: _native.Grammar | None = None,
+                 pool: NgramPool | None = None):
         self.cfg, self.target, self.sampling, self.params, self.seq = cfg, target, sampling, params, seq
         self.grammar = grammar  # the reply's constraint state: every round picks under it and advances it
         self.memory = memory if memory is not None else GovernorMemory()
@@ -106,7 +107,7 @@ class Speculator:
         wanted = target.output_on_gpu if cfg.device_greedy is None else cfg.device_greedy
         self.device_greedy = greedy and wanted  # plain steps may pick in llama.cpp's graph
         self.overlap = target.output_on_gpu if cfg.overlap is None else cfg.overlap
-        self.ngram = NgramDrafter(is_stop=target.model.is_eog) if cfg.ngram else None
+        self.ngram = NgramDrafter(is_stop=target.model.is_eog, pool=pool) if cfg.ngram else None
         if self.ngram:
             self.ngram.reset(prompt)
         self.stable_shapes = cfg.stable_shapes
