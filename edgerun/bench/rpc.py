@@ -5,9 +5,10 @@ same model run locally, and against llama.cpp's own `--rpc` client on the same s
     edgerun bench rpc --shape 7b --spawn gpu,cpu --mem 3,3 --max-vram 0 --llama-bench build/bin/llama-bench
 
 The servers are started by the scenario on 127.0.0.1 (`--spawn`: one per entry, `gpu` serves the
-GPU, `cpu` the host CPU even where a GPU is) and stopped at its end. edgerun's sides are
-in-process Runners held side by side, replies in ABBA turns; the bytes the client moves per decode
-step come from the patched ggml-rpc's own counters (runtime/rpc.py: `traffic`). With
+GPU, `cpu` the host CPU even where a GPU is) and stopped at its end. An rpc-server serves one
+client at a time, so every side is a process of its own in ABBA turns (`edgerun run --stats-json`,
+as the GPU scenarios run it); the bytes the client moves per decode step come from the patched
+ggml-rpc's own counters (runtime/rpc.py: `traffic`), in an in-process reply before the turns. With
 --llama-bench, llama-bench runs the very split edgerun planned (`--rpc`, `-dev`, `-ngl`, `-ts`)
 against the same servers: tg at the prompt's depth, as the GPU scenarios compare.
 
@@ -27,11 +28,11 @@ import sys
 import time
 from pathlib import Path
 
+from edgerun.bench.gpu import PROMPT, edgerun_run
 from edgerun.bench.scenario import Scenario, claim, count, interleave, register, side_lines
 from edgerun.bench.stats import ratio_spread, spread
 from edgerun.errors import ConfigError, EngineError
 
-PROMPT = "Write a Python function that parses an ISO 8601 date string and returns a datetime."
 START_S = 120
 
 
@@ -138,7 +139,7 @@ def _run(args: argparse.Namespace, say) -> dict:
     kinds = [k.strip() for k in args.spawn.split(",") if k.strip()]
     if not kinds or any(k not in ("cpu", "gpu") for k in kinds):
         raise ConfigError(f"--spawn {args.spawn!r}: a comma-separated list of gpu and cpu")
-    engine = EngineSettings().replace(n_ctx=2048, n_threads=args.threads,
+    engine = EngineSettings().replace(n_ctx=4096, n_threads=args.threads,
                                       max_vram=int(args.max_vram * 2**30) if args.max_vram is not None else None)
     if args.mem:
         mems = [float(x) for x in args.mem.split(",")]
@@ -148,33 +149,25 @@ def _run(args: argparse.Namespace, say) -> dict:
         fp = footprint(inspect(model), engine)
         each = (sum(fp.layer_bytes) + fp.kv_per_layer * fp.n_layers + fp.output_bytes) * 0.7
         mems = [(each + placement.REMOTE_MARGIN + 2 * fp.compute_bytes) / 2**30] * len(kinds)
+    flags = ["--draft", "none"] + (["--threads", str(args.threads)] if args.threads else [])
+    flags += ["--max-vram", str(args.max_vram)] if args.max_vram is not None else []
     with _servers(kinds, mems, args.server_threads) as eps:
-        split_settings = engine.replace(rpc=",".join(eps))
-        with contextlib.ExitStack() as stack:
-            remote = stack.enter_context(Runner(model, split_settings, draft="none"))
-            say(f"split: {remote.plan.devices.describe()}")
-            runners = {"rpc": remote}
-            if not args.no_local:
-                runners = {"local": stack.enter_context(Runner(model, engine, draft="none")), "rpc": remote}
-            traffic: list[float] = []
-
-            def side(runner):
-                def one() -> float:
-                    rate, per_step = _reply(runner, args.tokens)
-                    if per_step is not None:
-                        traffic.append(per_step)
-                    return rate
-                return one
-
-            sides = {name: side(r) for name, r in runners.items()}
-            if args.llama_bench:
-                depth = len(remote.raw_tokens(PROMPT))
-                sides["llama_bench"] = lambda: _llama_bench(args.llama_bench, model, eps, remote.plan.devices,
-                                                           tokens=args.tokens, depth=depth, threads=args.threads)
-            for r in runners.values():  # one untimed reply each: first-use costs stay out of the turns
-                _reply(r, 4)
-            values = interleave(sides, args.repeat, say)
-            plan = remote.plan.devices.describe()
+        # an rpc-server serves one client at a time: each side is a process of its own, in turns, and
+        # the in-process Runner that counts the bytes per step is closed before the turns start
+        with Runner(model, engine.replace(rpc=",".join(eps)), draft="none") as remote:
+            split = remote.plan.devices
+            say(f"split: {split.describe()}")
+            _reply(remote, 4)
+            traffic = [_reply(remote, args.tokens)[1] for _ in range(2)]
+        rpc_flags = [*flags, "--rpc", ",".join(eps)]
+        depth = edgerun_run(model, *rpc_flags, tokens=4)["prompt_tokens"]  # also a warm-up of the servers
+        sides = {"rpc": lambda: edgerun_run(model, *rpc_flags, tokens=args.tokens)["decode_tok_s"]}
+        if not args.no_local:
+            sides = {"local": lambda: edgerun_run(model, *flags, tokens=args.tokens)["decode_tok_s"], **sides}
+        if args.llama_bench:
+            sides["llama_bench"] = lambda: _llama_bench(args.llama_bench, model, eps, split, tokens=args.tokens,
+                                                       depth=depth, threads=args.threads)
+        values = interleave(sides, args.repeat, say)
     claims = []
     if "local" in values:
         claims.append(claim("rpc split over loopback / local decode tok/s (a split adds memory, not speed)",
@@ -182,8 +175,9 @@ def _run(args: argparse.Namespace, say) -> dict:
     if "llama_bench" in values:
         claims.append(claim("edgerun --rpc / llama-bench --rpc, same split and servers",
                             ratio_spread(values["llama_bench"], values["rpc"]), ">= 0.97"))
-    settings = {"model": str(model), "spawn": kinds, "mem_gib": mems, "tokens": args.tokens, "repeat": args.repeat,
-                "server_threads": args.server_threads, "threads": engine.n_threads, "split": plan}
+    settings = {"model": str(model), "prompt": PROMPT, "spawn": kinds, "mem_gib": mems, "tokens": args.tokens,
+                "repeat": args.repeat, "server_threads": args.server_threads, "threads": engine.n_threads,
+                "split": split.describe(), "tensor_split": split.tensor_split, "n_gpu_layers": split.gpu_layers}
     return {"settings": settings, "claims": claims, "tok_s": values,
             "sides": {name: spread(v) for name, v in values.items()},
             "client_bytes_per_decode_step": spread(traffic)}
