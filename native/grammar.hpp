@@ -29,6 +29,8 @@ class Grammar {
     // Advance past `token`; throws std::invalid_argument if the grammar refuses it (llama.cpp
     // would abort the process on a refused end-of-generation token).
     void accept(llama_token token);
+    // Advance past a token a masked pick chose (so known to be allowed): no second check.
+    void accept_allowed(llama_token token) { llama_sampler_accept(s_, token); }
     void swap(Grammar& other) noexcept { std::swap(s_, other.s_); std::swap(vocab_, other.vocab_); }
     const llama_vocab* vocab() const { return vocab_; }
 

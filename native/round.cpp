@@ -84,7 +84,7 @@ bool draft_tokens(const RoundPlan& in, Rng& rng, RoundResult& res, std::vector<s
         const llama_token x = draft_choice(logits, n_vocab, history, in, rng, dist, confident, g.get());
         if (!confident) break;  // an unsure draft is likely rejected: verify what we have
         res.drafts.push_back(x);
-        if (g) g->accept(x);
+        if (g) g->accept_allowed(x);  // a masked pick
         if (!in.params.greedy()) q.push_back(dist);
         push_history(history, x, in.params);
         // evaluate x only when another token will be drafted after it (or shapes must not change)
@@ -161,7 +161,7 @@ RoundResult run_round(const RoundPlan& in, Rng& rng) {
                                  in.history, in.params, in.rule, rng, in.grammar);
         res.accepted = v.accepted;
         res.next = v.next;
-        if (in.grammar) in.grammar->accept(v.next);
+        if (in.grammar) in.grammar->accept_allowed(v.next);  // a masked pick
     }
     // the target's KV keeps `last` and the accepted drafts; its owner trims the rejected tail
     res.target.pos = in.target_n_past;
@@ -192,7 +192,7 @@ llama_token sample_context(llama_context* ctx, int idx, const std::vector<int32_
         else distribution(logits, n_vocab, history, p, dist);
         pick = sample_dense(dist, rng.uniform());
     }
-    if (grammar) grammar->accept(pick);
+    if (grammar) grammar->accept_allowed(pick);  // a masked pick
     return pick;
 }
 

@@ -289,7 +289,7 @@ Verdict verify(const std::vector<const float*>& rows, int n_vocab, const std::ve
             }
         }
         ++v.accepted;
-        if (g) g->accept(drafts[i]);  // accepted => p(x) > 0 => the grammar allows it
+        if (g) g->accept_allowed(drafts[i]);  // accepted => p(x) > 0 => the grammar allows it
         push_history(history, drafts[i], p);
     }
     return v;  // unreachable: the bonus row always returns

@@ -45,7 +45,7 @@ from edgerun.errors import ConfigError
 SCHEMA = 1
 MODULES = ("edgerun.bench.spec", "edgerun.bench.external", "edgerun.bench.host", "edgerun.bench.tui",
            "edgerun.bench.quant", "edgerun.bench.gpu", "edgerun.bench.load",
-           "edgerun.bench.serve", "edgerun.bench.resume", "edgerun.bench.rpc")
+           "edgerun.bench.serve", "edgerun.bench.resume", "edgerun.bench.rpc", "edgerun.bench.structured")
 GOALS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt}
 
 Say = Callable[[str], None]

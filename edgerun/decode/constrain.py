@@ -6,6 +6,7 @@ a schema keyword that would constrain values but cannot be enforced is refused, 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -178,7 +179,7 @@ def json_schema(schema, what: str = "the JSON schema") -> Constraint:
     _refuse_unenforced(schema, what, "")
     converter = _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     try:
-        resolved = converter.resolve_refs(schema, "input")
+        resolved = converter.resolve_refs(copy.deepcopy(schema), "input")  # it rewrites $refs in place
         converter.visit(resolved, "")
         text = converter.format_grammar()
     except ConfigError:
