@@ -177,7 +177,8 @@ def _run(args: argparse.Namespace, say) -> dict:
                             ratio_spread(values["llama_bench"], values["rpc"]), ">= 0.97"))
     settings = {"model": str(model), "prompt": PROMPT, "spawn": kinds, "mem_gib": mems, "tokens": args.tokens,
                 "repeat": args.repeat, "server_threads": args.server_threads, "threads": engine.n_threads,
-                "split": split.describe(), "tensor_split": split.tensor_split, "n_gpu_layers": split.gpu_layers}
+                "split": split.describe(), "tensor_split": split.tensor_split, "n_gpu_layers": split.gpu_layers,
+                "depth": depth}
     return {"settings": settings, "claims": claims, "tok_s": values,
             "sides": {name: spread(v) for name, v in values.items()},
             "client_bytes_per_decode_step": spread(traffic)}
