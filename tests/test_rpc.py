@@ -268,3 +268,19 @@ def test_the_1_5b_split_over_two_capped_servers_equals_the_local_run(target_mode
                             procs[0].wait()
                             start = time.monotonic()
             assert start is not None and time.monotonic() - start < settings.rpc_timeout_s
+
+
+def test_bench_rpc_measures_both_sides_and_the_bytes_per_step(tiny_model, tmp_path):
+    out = tmp_path / "rpc.json"
+    proc = subprocess.run([sys.executable, "-m", "edgerun.cli", "bench", "rpc", "-m", str(tiny_model), "--repeat", "1",
+                           "--tokens", "16", "--threads", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    doc = json.loads(out.read_text())
+    assert doc["scenario"] == "rpc" and set(doc["tok_s"]) == {"local", "rpc"}
+    assert doc["settings"]["tensor_split"] == [1.0, 2.0] and doc["settings"]["n_gpu_layers"] == 3
+    assert [c["claim"].split(" ")[0] for c in doc["claims"]] == ["rpc"]
+    # every decode step moves the tiny model's logits (320 floats) back at least
+    assert doc["client_bytes_per_decode_step"]["median"] > 320 * 4
