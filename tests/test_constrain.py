@@ -75,6 +75,13 @@ def test_number_bounds_take_decimals_between_whole_bounds(runners, text, inside)
     assert _matches(grammar, plain.model, text) == inside
 
 
+def test_a_list_of_types_keeps_the_other_keywords(runners):
+    plain = runners[0]
+    grammar = constrain.json_schema({"type": ["string", "null"], "maxLength": 3}).start(plain.ctx.address)
+    assert _matches(grammar, plain.model, '"abc"') and _matches(grammar, plain.model, "null")
+    assert not _matches(grammar, plain.model, '"abcd"')
+
+
 def test_strings_refuse_raw_control_characters(runners):
     plain = runners[0]
     grammar = constrain.json_schema({"type": "string"}).start(plain.ctx.address)

@@ -229,6 +229,13 @@ class _Converter(lg.SchemaConverter):
 
     def visit(self, schema, name):
         kind = schema.get("type") if isinstance(schema, dict) else None
+        if isinstance(kind, list) and "enum" not in schema and "const" not in schema:
+            # each type with the schema's other keywords (the converter's own union drops them: a
+            # ["string", "null"] with a maxLength would lose the bound)
+            rest = {k: v for k, v in schema.items() if k != "type"}
+            rule_name = name + "-" if name in lg.RESERVED_NAMES else name or "root"
+            alts = [self.visit({**rest, "type": t}, f"{name}{'-' if name else ''}{t}") for t in kind]
+            return self._add_rule(rule_name, " | ".join(alts))
         bounded = isinstance(schema, dict) and any(
             k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"))
         if kind in ("integer", "number") and bounded and "enum" not in schema and "const" not in schema:
