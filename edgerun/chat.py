@@ -12,6 +12,7 @@ from edgerun.decode.speculative import Round
 from edgerun.decode.stats import ReplyStats
 from edgerun.errors import EngineError
 from edgerun.history import History
+from edgerun.ngram_pool import PoolFile
 from edgerun.resume import Resumed, StateCache
 from edgerun.runner import Runner
 from edgerun.settings import SamplerSettings
@@ -25,12 +26,16 @@ class ChatSession:
     context does not hold it (a conversation reopened, or edgerun started again)."""
 
     def __init__(self, runner: Runner, history: History, *, model_name: str, system: str | None = None,
-                 conversation_id: int | None = None, states: StateCache | None = None):
-        self.runner, self.history, self.states = runner, history, states
+                 conversation_id: int | None = None, states: StateCache | None = None,
+                 pool: PoolFile | None = None):
+        self.runner, self.history, self.states, self.pool = runner, history, states, pool
+        self._pooled = 0  # the conversation's tokens already in the pool (`pool`: where replies go)
+        if pool is not None:
+            runner.ngram_pool = pool.pool
         self.model_name, self.system = model_name, system
         self.conversation_id = conversation_id
         self.resumed: Resumed | None = None  # what the last reply's start restored (set before its first record)
-        self.save_problem: str | None = None  # why the last reply's state was not saved
+        self.save_problem: str | None = None  # why the last reply's state (or the pool) was not saved
         self.messages: list[dict] = []
         if conversation_id is not None:
             self.messages = [{"role": m.role, "content": m.content} for m in history.messages(conversation_id)]
@@ -51,6 +56,7 @@ class ChatSession:
         msg_id = self.history.begin_reply(self.conversation_id)
         stats = stats if stats is not None else ReplyStats()
         parts: list[str] = []
+        reply_tokens: list[int] = []
         unsaved: list[str] = []
         last_flush = time.monotonic()
         status = "interrupted"
@@ -60,6 +66,8 @@ class ChatSession:
                 self.resumed = self.states.resume(tokens, self.history.kv_states(self.conversation_id))
             for record in self.runner.stream(tokens, sampling, max_tokens=max_tokens, cancel=cancel):
                 stats.add(record)
+                if isinstance(record, Step) and record.finish != "stop":
+                    reply_tokens.append(record.token)
                 if isinstance(record, Step) and record.text:
                     parts.append(record.text)
                     unsaved.append(record.text)
@@ -77,6 +85,14 @@ class ChatSession:
             self.messages.append({"role": "assistant", "content": "".join(parts)})
         if self.states is not None:  # not after an error: the context's state is in doubt then
             self.save_state()
+        if self.pool is not None:
+            self.save_problem = self._remember(tokens, reply_tokens) or self.save_problem
+
+    def _remember(self, prompt: list[int], reply: list[int]) -> str | None:
+        """Give the pool what this turn added to the conversation (a reopened one: all of it)."""
+        start = self._pooled if self._pooled <= len(prompt) else 0
+        self._pooled = len(prompt) + len(reply)
+        return self.pool.remember(prompt[start:] + reply)
 
     def save_state(self) -> None:
         """Save what the context holds as this conversation's state; the states it replaces
@@ -96,4 +112,5 @@ class ChatSession:
         self.conversation_id = None
         self.messages = []
         self.resumed = None
+        self._pooled = 0
 

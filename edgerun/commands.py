@@ -272,9 +272,13 @@ def cmd_cache(args) -> int:
 
     store = KvStore(max_bytes=user_settings.load()[0].kv_cache_bytes)
     if args.action == "clear":
+        from edgerun import ngram_pool
+
         n = store.clear()
         _forget_states(None)
-        _err(f"removed {n} saved KV state(s) from {store.root}")
+        pools = ngram_pool.clear()
+        _err(f"removed {n} saved KV state(s) from {store.root}"
+             + (f" and {pools} n-gram pool(s) from {ngram_pool.default_dir()}" if pools else ""))
         return 0
     if args.action == "rm":
         if not args.names:

@@ -30,6 +30,7 @@ class UserSettings:
     draft: str = settings.DRAFT  # "auto", "none" or a model name
     spec_k: str | int = SPEC_K  # "auto" (the governor decides) or a fixed draft length
     ngram: bool = NGRAM
+    ngram_pool: bool = settings.NGRAM_POOL  # the n-gram drafter also drafts from earlier conversations
     show_draft_marks: bool = SHOW_DRAFT_MARKS
     last_model: str | None = None
     kv_cache_gib: float = settings.KV_CACHE_GIB  # saved KV states' cap; 0 saves none
@@ -110,6 +111,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "draft": (_name, '"auto", "none" or a model name'),
     "spec_k": (lambda v: v == "auto" or (_whole(v) and v >= 0), '"auto" or a whole number >= 0'),
     "ngram": (lambda v: isinstance(v, bool), "true or false"),
+    "ngram_pool": (lambda v: isinstance(v, bool), "true or false"),
     "show_draft_marks": (lambda v: isinstance(v, bool), "true or false"),
     "last_model": (_name, "a model name"),
     "kv_cache_gib": (lambda v: _number(v) and v >= 0, "a number of GiB >= 0"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgerun.decode.ngram import MATCH_MAX, NGRAM_MAX, NGRAM_MIN, NgramDrafter, NgramPool, Proposal
+from edgerun.decode.ngram import MATCH_MAX, NGRAM_MAX, NGRAM_MIN, NgramDrafter, NgramPool, POOL_MIN_MATCH, Proposal
 
 
 def brute_force(seq: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
@@ -222,17 +222,27 @@ def pool_brute_force(pool_seqs: list[list[int]], seq: list[int], k: int) -> list
 
 
 def test_pool_drafts_what_an_earlier_conversation_had():
+    earlier = list(range(100, 100 + POOL_MIN_MATCH))
+    pool = NgramPool()
+    pool.add(earlier + [8, 9])
+    d = drafter([1, 2, *earlier], pool=pool)
+    assert d.lookup(3) == Proposal([8, 9], POOL_MIN_MATCH)  # stops where that conversation's tokens end
+
+
+def test_a_short_pool_match_is_chance_and_not_drafted():
     pool = NgramPool()
     pool.add([5, 6, 7, 8, 9])
-    d = drafter([1, 2, 6, 7], pool=pool)
-    assert d.lookup(3) == Proposal([8, 9], 2)  # stops where that conversation's tokens end
+    assert drafter([1, 2, 6, 7], pool=pool).lookup(3) == Proposal([])
+    assert pool.lookup([1, 2, 6, 7], 3) == Proposal([8, 9], 2)
 
 
 def test_the_conversation_wins_unless_the_pool_matches_longer():
+    shared = list(range(100, 100 + POOL_MIN_MATCH))
     pool = NgramPool()
-    pool.add([1, 2, 3, 4, 40])
-    assert drafter([0, 3, 4, 30, 9, 3, 4], pool=pool).propose(1) == [30]   # both match 2: its own
-    assert drafter([0, 3, 4, 30, 2, 3, 4], pool=pool).propose(1) == [40]   # the pool matches 3
+    pool.add([1, *shared, 40])
+    own = [0, *shared, 30, 9, *shared]
+    assert drafter(own, pool=pool).propose(1) == [30]                # both match as long: its own
+    assert drafter([0, *shared[-2:], 30, 9, 1, *shared], pool=pool).propose(1) == [40]  # the pool's is longer
 
 
 def test_pool_keeps_its_newest_sequences_whole():

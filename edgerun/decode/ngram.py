@@ -10,6 +10,8 @@ the governor keeps its acceptance estimate per match length (governor.match_buck
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -65,7 +67,7 @@ class NgramDrafter:
         own = self._own(k)
         if self.pool is not None and own.match < MATCH_MAX:
             other = self.pool.lookup(seq, k, self.is_stop)
-            if other.tokens and other.match > own.match:
+            if other.tokens and other.match >= POOL_MIN_MATCH and other.match > own.match:
                 return other
         return own
 
@@ -97,6 +99,9 @@ def _cut(tokens: list[int], is_stop: Callable[[int], bool] | None) -> list[int]:
 
 
 POOL_TOKENS = 1 << 16  # tokens an NgramPool keeps (its index: about 3 entries per token)
+# the shortest match the pool's proposals need: a few tokens in common with unrelated text are
+# chance, and drafting from them cost codegen about 5% (bench ngram --pool); a copy runs longer
+POOL_MIN_MATCH = 8
 _GAP = -1  # between two sequences of a pool: no n-gram spans it, no proposal runs past it
 
 
@@ -129,6 +134,29 @@ class NgramPool:
                 if e - n >= 0 and _GAP not in gram:
                     self._last_end[gram] = e
 
+    def to_bytes(self) -> bytes:
+        """The pool as a file holds it: int32 token ids, little-endian, -1 between sequences."""
+        return array("i", self.tokens).tobytes() if sys.byteorder == "little" else _swapped(self.tokens)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, n_vocab: int, limit: int = POOL_TOKENS) -> NgramPool:
+        """A pool from to_bytes(). An id that is no token of the model (negative, or not below
+        `n_vocab`: llama.cpp aborts on such an id in a batch) ends the sequence it is in."""
+        ids = array("i")
+        ids.frombytes(data[: len(data) - len(data) % 4])
+        if sys.byteorder != "little":
+            ids.byteswap()
+        pool = cls(limit)
+        run: list[int] = []
+        for t in ids:
+            if 0 <= t < n_vocab:
+                run.append(t)
+            else:
+                pool.add(run)
+                run = []
+        pool.add(run)
+        return pool
+
     def lookup(self, seq: list[int], k: int, is_stop: Callable[[int], bool] | None = None) -> Proposal:
         """What followed the longest suffix n-gram of `seq` in the pool, up to k tokens."""
         for n in range(min(self.n_max, len(seq)), self.n_min - 1, -1):
@@ -145,3 +173,9 @@ class NgramPool:
                 m += 1
             return Proposal(tokens, m)
         return Proposal([])
+
+
+def _swapped(tokens: list[int]) -> bytes:
+    a = array("i", tokens)
+    a.byteswap()
+    return a.tobytes()

@@ -4,6 +4,7 @@ through messages; the UI thread never waits on a model."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import sys
 import threading
@@ -25,6 +26,7 @@ from edgerun.decode.stats import ReplyStats
 from edgerun.errors import EdgerunError
 from edgerun.history import History
 from edgerun.models import catalog
+from edgerun.ngram_pool import PoolFile
 from edgerun.resume import StateCache
 from edgerun.runner import Runner
 from edgerun import paths
@@ -59,8 +61,8 @@ class LoadRequest:
 
 
 class ModelLoaded(Message):
-    def __init__(self, runner: Runner, request: LoadRequest) -> None:
-        self.runner, self.request = runner, request
+    def __init__(self, runner: Runner, request: LoadRequest, pool: PoolFile | None = None) -> None:
+        self.runner, self.request, self.pool = runner, request, pool
         super().__init__()
 
 
@@ -209,7 +211,8 @@ class EdgerunApp(App):
             self.post_message(ModelFailed(f"loading failed unexpectedly ({type(exc).__name__}: {exc});"
                                           " run `edgerun doctor` or pick another model with F2"))
             return
-        self.post_message(ModelLoaded(runner, request))
+        pool = PoolFile(runner.path, runner.model.n_vocab) if prefs.ngram and prefs.ngram_pool else None
+        self.post_message(ModelLoaded(runner, request, pool))
 
     async def on_model_loaded(self, event: ModelLoaded) -> None:
         old = self.session
@@ -218,7 +221,7 @@ class EdgerunApp(App):
         self.session = ChatSession(event.runner, self.history, model_name=event.request.model,
                                    system=self.effective.system_prompt,
                                    conversation_id=old.conversation_id if old else self.resume,
-                                   states=self._states)
+                                   states=self._states, pool=event.pool)
         if old is not None and self._stop_generation():
             old.runner.close()
         self.model_spec, self.draft_spec = event.request.model, event.request.draft
@@ -392,7 +395,7 @@ class EdgerunApp(App):
         if self.session is not None:
             self.session = ChatSession(self.session.runner, self.history, model_name=self.model_spec,
                                        system=self.effective.system_prompt, conversation_id=conv_id,
-                                       states=self._states)
+                                       states=self._states, pool=self.session.pool)
         transcript.scroll_end(animate=False)
 
     async def action_new_conversation(self) -> None:
@@ -445,7 +448,8 @@ class EdgerunApp(App):
         now = self.effective
         if self.session is not None:
             self.session.system = now.system_prompt
-        if (before.draft, before.ngram, before.spec_k) != (now.draft, now.ngram, now.spec_k):
+        loads = operator.attrgetter("draft", "ngram", "ngram_pool", "spec_k")  # what a load depends on
+        if loads(before) != loads(now):
             self.request_load(self.model_spec, now.draft)
         elif self.session is not None:
             self._say_ready()  # the overrides it names may have changed
