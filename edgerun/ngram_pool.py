@@ -1,7 +1,7 @@
 """The n-gram pool on disk: the tokens of earlier conversations with one model, which the chat
 app's n-gram drafter also drafts from (decode/ngram.NgramPool), so code the model wrote in another
-conversation can be copied in long drafts when it is asked for again. One file per model under the
-cache (`ngram/`), the newest POOL_TOKENS tokens (256 KiB), written atomically after each reply; a
+conversation can be copied in long drafts when it is asked for again. One file per model in the
+KV cache's folder (`ngram/`), the newest POOL_TOKENS tokens (256 KiB), written atomically after each reply; a
 file that is missing or unreadable is an empty pool, and ids that are no token of the model are
 dropped on load. `edgerun cache clear` removes the pools with the saved KV states."""
 
@@ -17,7 +17,8 @@ from edgerun.decode.ngram import NgramPool
 
 
 def default_dir() -> Path:
-    return paths.cache_dir() / "ngram"
+    """Beside the saved KV states (EDGERUN_KV_DIR moves both): decode state the cache may lose."""
+    return paths.kv_dir() / "ngram"
 
 
 def pool_path(model_path: Path, root: Path | None = None) -> Path:

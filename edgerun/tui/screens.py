@@ -196,6 +196,9 @@ class SettingsScreen(ModalScreen):
             with Horizontal(classes="field"):
                 yield Label("n-gram drafting")
                 yield Switch(p.ngram, id="ngram")
+            with Horizontal(classes="field"):
+                yield Label("n-gram: earlier conversations too")
+                yield Switch(p.ngram_pool, id="ngram_pool")
             with Horizontal(classes="buttons"):
                 yield Button("Save", id="save", variant="primary")
                 yield Button("Cancel", id="cancel")
@@ -209,6 +212,7 @@ class SettingsScreen(ModalScreen):
         raw = {w.id: w.value for w in self.query(Input)}
         raw["draft"] = self.query_one("#draft", Select).value
         raw["ngram"] = self.query_one("#ngram", Switch).value
+        raw["ngram_pool"] = self.query_one("#ngram_pool", Switch).value
         prefs, problems = user_settings.from_form(self.prefs, raw)
         if problems:
             self.app.notify("; ".join(problems), title="not saved", severity="error")
