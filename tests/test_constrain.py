@@ -10,7 +10,7 @@ from dataclasses import replace
 import jsonschema
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgerun import _native
@@ -57,6 +57,7 @@ def _matches(grammar: _native.Grammar, model, text: str) -> bool:
     return g.allows(model.eos)
 
 
+@settings(max_examples=40)
 @given(lo=st.integers(-1200, 1200), span=st.integers(0, 2500), probe=st.integers(-4000, 4000))
 def test_integer_bounds_match_exactly_the_integers_inside(runners, lo, span, probe):
     plain = runners[0]
