@@ -105,14 +105,25 @@ void masked_distribution(const float* logits, int n_vocab, const std::vector<int
         out.swap(masked);
         return;
     }
-    // no survivor allowed: the chain on the allowed tokens' logits alone (the whole vocabulary checked)
-    std::vector<int32_t> all(n_vocab);
-    std::iota(all.begin(), all.end(), 0);
-    g.filter(all);
-    if (all.empty()) throw std::runtime_error("the grammar allows no token here");
-    std::vector<float> row(n_vocab, -INFINITY);
-    for (int32_t t : all) row[t] = logits[t];
-    distribution(row.data(), n_vocab, history, p, out);
+    // no survivor allowed: the chain over the allowed tokens among the best M candidates (by
+    // penalized logit), M the first of 64, 4096 and the whole vocabulary that holds one. A pass of
+    // the grammar over the whole vocabulary costs milliseconds; the model's best few almost
+    // always hold an allowed token (a refused newline's indentation, say, after a space).
+    std::vector<float> pen(logits, logits + n_vocab);
+    const bool penalized = penalty_on(p) && !history.empty();
+    if (penalized) apply_penalty(pen.data(), n_vocab, history, p);
+    for (size_t m : {size_t(64), size_t(4096), static_cast<size_t>(n_vocab)}) {
+        std::vector<int32_t> ids = best_ids(pen.data(), n_vocab, m);
+        g.filter(ids);
+        if (ids.empty() && m < static_cast<size_t>(n_vocab)) continue;
+        if (ids.empty()) throw std::runtime_error("the grammar allows no token here");
+        std::vector<float> row(n_vocab, -INFINITY);
+        for (int32_t t : ids) row[t] = pen[t];
+        SamplerParams once = p;  // the penalty is in the row already
+        once.repeat_penalty = 1.0f;
+        distribution(row.data(), n_vocab, {}, once, out);
+        return;
+    }
 }
 
 }  // namespace edgerun

@@ -48,8 +48,10 @@ int32_t masked_greedy(const float* logits, int n_vocab, const std::vector<int32_
 
 // The constrained distribution: the sampler chain's distribution (penalty, top-k, top-p, min-p,
 // temperature) restricted to the tokens the grammar allows and renormalized; when the chain keeps
-// no allowed token, the chain runs again on the logits of the allowed tokens alone. Only the
-// chain's survivors are checked in the usual case, which keeps the mask cheap.
+// no allowed token, the chain runs again on the allowed tokens among the best M candidates by
+// logit (M the first of 64, 4096 and the whole vocabulary that holds one). Only the chain's
+// survivors, or the best few candidates, are checked, which keeps the mask cheap; the result is
+// a function of the logits and the grammar state alone, which is what exact speculation needs.
 void masked_distribution(const float* logits, int n_vocab, const std::vector<int32_t>& history,
                          const SamplerParams& p, Grammar& g, std::vector<float>& out);
 

@@ -92,8 +92,10 @@ def test_strings_refuse_raw_control_characters(runners):
 def _masked_reference(logits, allowed, **params):
     p = reference.distribution(logits, [], **params).astype(np.float64)
     masked = np.where(np.isin(np.arange(len(p)), allowed), p, 0.0)
-    if masked.sum() == 0:  # no survivor allowed: the chain over the allowed tokens' logits
-        return reference.distribution(np.where(np.isin(np.arange(len(p)), allowed), logits, -np.inf), [],
+    if masked.sum() == 0:  # no survivor allowed: the chain over the allowed tokens among the best 64
+        order = sorted(range(len(logits)), key=lambda t: (-logits[t], t))[:64]
+        keep = [t for t in order if t in set(allowed)]
+        return reference.distribution(np.where(np.isin(np.arange(len(p)), keep), logits, -np.inf), [],
                                       **params).astype(np.float64)
     return masked / masked.sum()
 
