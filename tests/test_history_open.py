@@ -15,6 +15,7 @@ import pytest
 from edgerun.history import History
 from edgerun.tui.app import EdgerunApp
 from edgerun.tui.history_open import MoveAsideScreen
+from testkit.tui import notes, wait_for
 
 GARBAGE = b"this is not a database\n" * 400
 
@@ -33,15 +34,6 @@ def unreadable(home):
     return path
 
 
-async def wait_for(pilot, condition, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await pilot.pause(0.05)
-
-
-def notes(app):
-    return " ".join(str(n.message) for n in app._notifications)
 
 
 async def test_an_unreadable_history_is_said_and_moved_aside_on_request(unreadable):

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 from textual._compositor import Compositor
@@ -22,6 +21,7 @@ from edgerun.tui.app import EdgerunApp
 from edgerun.tui.compositor import BandCompositor
 from edgerun.tui.stats import StatsPanel
 from edgerun.tui.widgets import Transcript
+from testkit.tui import notes, wait_for
 
 DRAFT = "qwen2.5-coder-0.5b"
 ENGINE = EngineSettings(n_ctx=2048, gpu_layers="0")
@@ -41,12 +41,6 @@ def _save_prefs(**changes):
     prefs, _ = user_settings.load()
     user_settings.save(prefs.replace(**changes))
 
-
-async def wait_for(pilot, condition, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await pilot.pause(0.05)
 
 
 async def send(pilot, app, text, *, expect_reply=True):
@@ -80,9 +74,6 @@ def panel_text(panel):
     """The stats panel as drawn on the screen."""
     return "\n".join(panel.render_line(y).text for y in range(panel.size.height))
 
-
-def notes(app):
-    return " ".join(str(n.message) for n in app._notifications)
 
 
 async def test_send_a_message_and_see_the_reply_stream_with_stats():

@@ -4,7 +4,6 @@ and the new model loaded as target with a same-vocab draft offered."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -15,6 +14,7 @@ from edgerun.tui.convert import STEPS, ConvertJob, ConvertScreen, options_from_f
 from edgerun.tui.screens import ModelScreen
 from edgerun.tui.widgets import Transcript
 from testkit.cli import run_cli
+from testkit.tui import notes, wait_for
 
 CALIB = "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)\n" * 12
 
@@ -26,15 +26,6 @@ def home(tmp_path, monkeypatch):
     return tmp_path / "home"
 
 
-async def wait_for(pilot, condition, timeout=90.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await pilot.pause(0.05)
-
-
-def notes(app):
-    return " ".join(str(n.message) for n in app._notifications)
 
 
 def form(tmp_path, src, changes=None):
