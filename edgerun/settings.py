@@ -74,8 +74,8 @@ SPEC_K = "auto"  # draft length: the governor decides
 NGRAM = True  # prompt-lookup drafting: 2-3x on replies that copy (edits), ~0.98-0.99x where nothing repeats
 # (docs/BENCHMARKS.md, bench ngram); the governor turns it down to plain decoding when it does not pay
 # the chat app's n-gram drafter also drafts from earlier conversations with the model (a pool on
-# disk, ngram_pool.py): 1.26x on a fresh conversation asking what an earlier one got, no cost
-# where nothing matches for 8 tokens (docs/BENCHMARKS.md, bench ngram --pool)
+# disk, ngram_pool.py): 1.13x on a fresh conversation asking what an earlier one got, 1.02x
+# on fresh code (docs/BENCHMARKS.md, bench ngram --pool)
 NGRAM_POOL = True
 SHOW_DRAFT_MARKS = False  # the chat app highlights accepted draft tokens (F5 toggles)
 DEFAULT_SYSTEM_PROMPT: str | None = None  # None: the model's template decides

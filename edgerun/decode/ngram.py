@@ -100,7 +100,7 @@ def _cut(tokens: list[int], is_stop: Callable[[int], bool] | None) -> list[int]:
 
 POOL_TOKENS = 1 << 16  # tokens an NgramPool keeps (its index: about 3 entries per token)
 # the shortest match the pool's proposals need: a few tokens in common with unrelated text are
-# chance, and drafting from them cost codegen about 5% (bench ngram --pool); a copy runs longer
+# chance, and drafts from them are mostly rejected verify work; a copy runs longer
 POOL_MIN_MATCH = 8
 _GAP = -1  # between two sequences of a pool: no n-gram spans it, no proposal runs past it
 
