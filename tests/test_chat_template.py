@@ -155,8 +155,10 @@ def test_a_runaway_template_in_a_worker_thread_ends(monkeypatch):
 def test_interrupted_render_does_not_answer_the_next_turn():
     """Ctrl+C mid-render: the helper's late answer must not become the next prompt."""
     chat_template.render(None, MSGS)
-    # about half a second here: it would answer after the interrupt and well within its limit
-    slow = "{% for i in range(100000) %}{% for j in range(30) %}{% endfor %}{% endfor %}late"
+    # about a second on an idle 2-core CPU: it would answer after the interrupt and within its
+    # limit; long enough that the interrupt comes first however late a loaded machine wakes the timer
+    slow = ("{% set ns = namespace(n=0) %}{% for i in range(100000) %}{% for j in range(2) %}"
+            "{% set ns.n = ns.n + 1 %}{% endfor %}{% endfor %}late")
     timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
