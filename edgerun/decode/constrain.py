@@ -319,13 +319,18 @@ def _natural(lo: int, hi: int) -> str:
     return " | ".join(parts)
 
 
-def _integer_rule(lo: int, hi: int) -> str:
+def _signed(lo: int, hi: int, magnitude, least_negative: int) -> str:
+    """lo..hi as a minus sign over the negative magnitudes (from least_negative up) or the others."""
     parts = []
     if lo < 0:
-        parts.append(f'"-" ({_natural(max(1, -hi), -lo)})')
+        parts.append(f'"-" ({magnitude(max(least_negative, -hi), -lo)})')
     if hi >= 0:
-        parts.append(_natural(max(lo, 0), hi))
+        parts.append(magnitude(max(lo, 0), hi))
     return " | ".join(parts)
+
+
+def _integer_rule(lo: int, hi: int) -> str:
+    return _signed(lo, hi, _natural, 1)  # no "-0"
 
 
 def _magnitude(a: int, b: int) -> str:
@@ -335,9 +340,4 @@ def _magnitude(a: int, b: int) -> str:
 
 
 def _number_rule(lo: int, hi: int) -> str:
-    parts = []
-    if lo < 0:
-        parts.append(f'"-" ({_magnitude(max(0, -hi), -lo)})')
-    if hi >= 0:
-        parts.append(_magnitude(max(lo, 0), hi))
-    return " | ".join(parts)
+    return _signed(lo, hi, _magnitude, 0)  # "-0.5" is a negative below 1
