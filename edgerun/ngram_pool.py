@@ -1,18 +1,17 @@
 """The n-gram pool on disk: the tokens of earlier conversations with one model, which the chat
 app's n-gram drafter also drafts from (decode/ngram.NgramPool), so code the model wrote in another
 conversation can be copied in long drafts when it is asked for again. One file per model in the
-KV cache's folder (`ngram/`), the newest POOL_TOKENS tokens (256 KiB), written atomically after each reply; a
-file that is missing or unreadable is an empty pool, and ids that are no token of the model are
-dropped on load. `edgerun cache clear` removes the pools with the saved KV states."""
+KV cache's folder (`ngram/`), the newest POOL_TOKENS tokens (256 KiB), written atomically after
+each reply; a file that is missing or unreadable is an empty pool, and ids that are no token of
+the model are dropped on load. `edgerun cache clear` removes the pools with the saved KV states."""
 
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 
 from edgerun import paths
+from edgerun.convert.atomic import atomic_path
 from edgerun.decode.ngram import NgramPool
 
 
@@ -44,14 +43,8 @@ class PoolFile:
         self.pool.add(tokens)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(self.pool.to_bytes())
-                os.replace(tmp, self.path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            with atomic_path(self.path) as tmp:
+                tmp.write_bytes(self.pool.to_bytes())
         except OSError as e:
             return f"the n-gram pool was not saved ({e})"
         return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -245,13 +247,27 @@ def test_the_conversation_wins_unless_the_pool_matches_longer():
     assert drafter([0, *shared[-2:], 30, 9, 1, *shared], pool=pool).propose(1) == [40]  # the pool's is longer
 
 
-def test_pool_keeps_its_newest_sequences_whole():
-    pool = NgramPool(limit=12)
-    for s in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]):
+@given(st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=9), min_size=1, max_size=12))
+def test_pool_keeps_its_newest_sequences_whole_and_under_its_limit(seqs):
+    pool = NgramPool(limit=24)
+    for s in seqs:
         pool.add(s)
-    assert pool.lookup([1, 2], 2).tokens == []          # the oldest went out
-    assert pool.lookup([6, 7], 2).tokens == [8]
-    assert len(pool) <= 12
+    kept = [list(g) for k, g in itertools.groupby(pool.tokens, lambda t: t == -1) if not k]
+    assert len(pool) <= 24 and kept == seqs[len(seqs) - len(kept):]  # a tail of them, each whole
+    assert kept[-1] == seqs[-1]
+    # what is kept is what a fresh pool of those sequences finds (the index was rebuilt right)
+    fresh = NgramPool(limit=24)
+    for s in kept:
+        fresh.add(s)
+    assert fresh.tokens == pool.tokens
+    for s in kept:
+        assert pool.lookup(s[:2], 5) == fresh.lookup(s[:2], 5)
+
+
+def test_a_sequence_longer_than_the_pool_leaves_its_newest_tokens():
+    pool = NgramPool(limit=24)
+    pool.add(list(range(100)))
+    assert pool.tokens == list(range(82, 100)) and pool.lookup([90, 91], 3).tokens == [92, 93, 94]
 
 
 @settings(max_examples=200, deadline=None)

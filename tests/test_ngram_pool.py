@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-import pytest
+import numpy as np
 
 from edgerun.chat import ChatSession
 from edgerun.decode.generate import Step
@@ -34,10 +34,15 @@ def test_a_pool_file_round_trips(tiny_model, tmp_path):
 
 def test_a_damaged_pool_keeps_only_token_ids_of_the_model(tiny_model, tmp_path):
     pool = PoolFile(tiny_model, n_vocab=300, root=tmp_path)
-    pool.path.parent.mkdir(parents=True, exist_ok=True)
-    pool.path.write_bytes(os.urandom(4001))  # not a whole number of ids, most of them out of range
+    pool.remember([1, 2, 3])
+    pool.remember([4, 5])
+    good = pool.path.read_bytes()
+    ids = np.frombuffer(os.urandom(4000), dtype="<i4")
+    pool.path.write_bytes(good + ids.tobytes() + b"\x07")  # then ids mostly out of range, a torn last one
     loaded = PoolFile(tiny_model, n_vocab=300, root=tmp_path).pool
-    assert all(t == -1 or 0 <= t < 300 for t in loaded.tokens)
+    assert loaded.tokens[:6] == [-1, 1, 2, 3, -1, 4] and all(t == -1 or 0 <= t < 300 for t in loaded.tokens)
+    kept = [t for t in loaded.tokens if t != -1]
+    assert kept == [1, 2, 3, 4, 5] + [t for t in ids.tolist() if 0 <= t < 300]
 
 
 def test_an_unwritable_pool_is_a_reason_not_an_error(tiny_model, tmp_path):

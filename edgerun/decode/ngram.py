@@ -10,14 +10,19 @@ the governor keeps its acceptance estimate per match length (governor.match_buck
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+import numpy as np
 
 NGRAM_MAX = 4
 NGRAM_MIN = 2
 MATCH_MAX = 64  # the match length is counted up to this many tokens
+POOL_TOKENS = 1 << 16  # tokens an NgramPool keeps (its index: about 3 entries per token)
+# the shortest match the pool's proposals need: a few tokens in common with unrelated text are
+# chance, and drafts from them are mostly rejected verify work; a copy runs longer
+POOL_MIN_MATCH = 8
+_GAP = -1  # between two sequences of a pool: no n-gram spans it, no proposal runs past it
 
 
 @dataclass(frozen=True)
@@ -26,33 +31,60 @@ class Proposal:
     match: int = 0     # tokens before it that agree with the tokens before now (>= the n-gram's size)
 
 
+class _Index:
+    """Where each n-gram (n_min..n_max tokens) of `tokens` last ended, grown as tokens arrive, so
+    a lookup is a few dict lookups instead of a scan. N-grams across a _GAP are left out."""
+
+    def __init__(self, tokens: list[int], n_max: int, n_min: int):
+        self.tokens, self.n_max, self.n_min = tokens, n_max, n_min
+        self.last_end: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending at or before this position are in the index
+
+    def index_until(self, end: int) -> None:
+        tokens, last_end = self.tokens, self.last_end
+        for e in range(self.indexed + 1, end + 1):
+            for n in range(self.n_min, min(self.n_max, e) + 1):
+                gram = tuple(tokens[e - n : e])
+                if _GAP not in gram:
+                    last_end[gram] = e
+        self.indexed = max(self.indexed, end)
+
+    def find(self, seq: list[int], k: int, is_stop: Callable[[int], bool] | None) -> Proposal:
+        """Up to k tokens after the latest indexed occurrence of seq's longest suffix n-gram (cut
+        at a gap and after a stop token), and how many tokens before it agree with seq's."""
+        for n in range(min(self.n_max, len(seq)), self.n_min - 1, -1):
+            end = self.last_end.get(tuple(seq[-n:]))
+            if end is None:
+                continue
+            tokens = self.tokens[end : end + k]
+            if _GAP in tokens:
+                tokens = tokens[: tokens.index(_GAP)]
+            if is_stop is not None:
+                stop = next((i for i, t in enumerate(tokens) if is_stop(t)), None)
+                if stop is not None:
+                    tokens = tokens[: stop + 1]
+            m = n
+            while m < MATCH_MAX and m < end and m < len(seq) and self.tokens[end - m - 1] == seq[-m - 1]:
+                m += 1
+            return Proposal(tokens, m)
+        return Proposal([])
+
+
 class NgramDrafter:
-    """An index from n-gram to where it last ended, kept up to date as tokens arrive, so a
-    proposal is a few dict lookups instead of a scan of the history. `is_stop`: tokens that end
-    a reply (a proposal stops after one)."""
+    """Proposals from the conversation's own tokens, or from `pool` (earlier conversations) where
+    that matches longer. `is_stop`: tokens that end a reply (a proposal stops after one)."""
 
     def __init__(self, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN,
                  is_stop: Callable[[int], bool] | None = None, pool: NgramPool | None = None):
         self.n_max, self.n_min, self.is_stop, self.pool = n_max, n_min, is_stop, pool
-        self.tokens: list[int] = []
-        self._last_end: dict[tuple[int, ...], int] = {}
-        self._indexed = 0  # n-grams ending before this position are in the index
+        self.reset([])
 
     def reset(self, tokens: Iterable[int]) -> None:
-        self.tokens = list(tokens)
-        self._last_end.clear()
-        self._indexed = 0
+        self.tokens: list[int] = list(tokens)
+        self._index = _Index(self.tokens, self.n_max, self.n_min)
 
     def extend(self, tokens: Iterable[int]) -> None:
         self.tokens.extend(tokens)
-
-    def _index_until(self, end: int) -> None:
-        # the suffix itself (ending at len(tokens)) stays out, so a lookup finds an earlier one
-        for e in range(self._indexed + 1, end + 1):
-            for n in range(self.n_min, self.n_max + 1):
-                if e - n >= 0:
-                    self._last_end[tuple(self.tokens[e - n : e])] = e
-        self._indexed = max(self._indexed, end)
 
     def propose(self, k: int) -> list[int]:
         """Up to k tokens that followed the longest suffix n-gram last time; [] if none."""
@@ -64,56 +96,29 @@ class NgramDrafter:
         seq = self.tokens
         if k <= 0 or len(seq) < self.n_min + 1:
             return Proposal([])
-        own = self._own(k)
+        # the suffix itself (ending at len(tokens)) stays out, so a lookup finds an earlier one
+        self._index.index_until(len(seq) - 1)
+        own = self._index.find(seq, k, self.is_stop)
         if self.pool is not None and own.match < MATCH_MAX:
             other = self.pool.lookup(seq, k, self.is_stop)
             if other.tokens and other.match >= POOL_MIN_MATCH and other.match > own.match:
                 return other
         return own
 
-    def _own(self, k: int) -> Proposal:
-        seq = self.tokens
-        self._index_until(len(seq) - 1)
-        for n in range(min(self.n_max, len(seq) - 1), self.n_min - 1, -1):
-            end = self._last_end.get(tuple(seq[-n:]))
-            if end is None:
-                continue
-            return Proposal(_cut(seq[end : end + k], self.is_stop), self._match_length(end, n))
-        return Proposal([])
-
-    def _match_length(self, end: int, n: int) -> int:
-        """How many tokens before `end` equal those before the end of the history (n known)."""
-        seq, m = self.tokens, n
-        while m < MATCH_MAX and end - m - 1 >= 0 and seq[end - m - 1] == seq[len(seq) - m - 1]:
-            m += 1
-        return m
-
-
-def _cut(tokens: list[int], is_stop: Callable[[int], bool] | None) -> list[int]:
-    """`tokens` up to and with the first stop token."""
-    if is_stop is not None:
-        stop = next((i for i, t in enumerate(tokens) if is_stop(t)), None)
-        if stop is not None:
-            return tokens[: stop + 1]
-    return tokens
-
-
-POOL_TOKENS = 1 << 16  # tokens an NgramPool keeps (its index: about 3 entries per token)
-# the shortest match the pool's proposals need: a few tokens in common with unrelated text are
-# chance, and drafts from them are mostly rejected verify work; a copy runs longer
-POOL_MIN_MATCH = 8
-_GAP = -1  # between two sequences of a pool: no n-gram spans it, no proposal runs past it
-
 
 class NgramPool:
-    """Tokens from outside the conversation (earlier conversations' replies), indexed as the
-    drafter indexes its own: the drafter's fallback when the conversation has no match. Keeps the
-    newest `limit` tokens."""
+    """Tokens from outside the conversation (earlier conversations), indexed as the drafter
+    indexes its own. Keeps the newest `limit` tokens: once over it, the oldest sequences go whole
+    down to three quarters of it (of one longer sequence, its newest tokens stay), so the index is rebuilt once per quarter of new tokens, not
+    after every reply."""
 
     def __init__(self, limit: int = POOL_TOKENS, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN):
-        self.limit, self.n_max, self.n_min = limit, n_max, n_min
-        self.tokens: list[int] = []
-        self._last_end: dict[tuple[int, ...], int] = {}
+        self.limit = limit
+        self._index = _Index([], n_max, n_min)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._index.tokens
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -122,60 +127,29 @@ class NgramPool:
         new = list(tokens)
         if not new:
             return
-        start = len(self.tokens) + 1
-        self.tokens += [_GAP, *new]
-        if len(self.tokens) > self.limit:  # drop the oldest sequences whole, then index afresh
-            keep = self.tokens[-self.limit:]
-            cut = keep.index(_GAP) if _GAP in keep else len(keep)
-            self.tokens, self._last_end, start = keep[cut:], {}, 1
-        for e in range(start + self.n_min, len(self.tokens) + 1):
-            for n in range(self.n_min, self.n_max + 1):
-                gram = tuple(self.tokens[e - n : e])
-                if e - n >= 0 and _GAP not in gram:
-                    self._last_end[gram] = e
+        index = self._index
+        index.tokens += [_GAP, *new]
+        if len(index.tokens) > self.limit:
+            keep = index.tokens[-(self.limit * 3 // 4):]
+            cut = keep.index(_GAP) if _GAP in keep else 0  # one sequence longer than that: its tail
+            index = self._index = _Index(keep[cut:], index.n_max, index.n_min)
+        index.index_until(len(index.tokens))
 
     def to_bytes(self) -> bytes:
         """The pool as a file holds it: int32 token ids, little-endian, -1 between sequences."""
-        return array("i", self.tokens).tobytes() if sys.byteorder == "little" else _swapped(self.tokens)
+        return np.asarray(self.tokens, dtype="<i4").tobytes()
 
     @classmethod
     def from_bytes(cls, data: bytes, n_vocab: int, limit: int = POOL_TOKENS) -> NgramPool:
         """A pool from to_bytes(). An id that is no token of the model (negative, or not below
         `n_vocab`: llama.cpp aborts on such an id in a batch) ends the sequence it is in."""
-        ids = array("i")
-        ids.frombytes(data[: len(data) - len(data) % 4])
-        if sys.byteorder != "little":
-            ids.byteswap()
+        ids = np.frombuffer(data[: len(data) - len(data) % 4], dtype="<i4")
+        bad = np.flatnonzero((ids < 0) | (ids >= n_vocab))
         pool = cls(limit)
-        run: list[int] = []
-        for t in ids:
-            if 0 <= t < n_vocab:
-                run.append(t)
-            else:
-                pool.add(run)
-                run = []
-        pool.add(run)
+        for run in np.split(ids, bad):
+            pool.add(run[1:].tolist() if run.size and not 0 <= run[0] < n_vocab else run.tolist())
         return pool
 
     def lookup(self, seq: list[int], k: int, is_stop: Callable[[int], bool] | None = None) -> Proposal:
         """What followed the longest suffix n-gram of `seq` in the pool, up to k tokens."""
-        for n in range(min(self.n_max, len(seq)), self.n_min - 1, -1):
-            end = self._last_end.get(tuple(seq[-n:]))
-            if end is None:
-                continue
-            tokens = self.tokens[end : end + k]
-            if _GAP in tokens:
-                tokens = tokens[: tokens.index(_GAP)]
-            tokens = _cut(tokens, is_stop)
-            m = n
-            while (m < MATCH_MAX and end - m - 1 >= 0 and m < len(seq)
-                   and self.tokens[end - m - 1] == seq[len(seq) - m - 1]):
-                m += 1
-            return Proposal(tokens, m)
-        return Proposal([])
-
-
-def _swapped(tokens: list[int]) -> bytes:
-    a = array("i", tokens)
-    a.byteswap()
-    return a.tobytes()
+        return self._index.find(seq, k, is_stop)
