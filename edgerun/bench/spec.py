@@ -117,10 +117,8 @@ def report(doc: dict) -> str:
     rows = [["prompt", "T", "drafter", "plain tok/s", "spec tok/s", "ratio (min-max)", "acceptance",
              "host overhead", "agreement"]]
     for r in doc["rows"]:
-        ratio = r["ratio"]
         rows.append([r["prompt"], f"{r['temperature']:g}", r["drafter"], _num(r["plain_tok_s"]), _num(r["spec_tok_s"]),
-                     f"{ratio['median']:.3f} ({ratio['min']:.2f}-{ratio['max']:.2f})" if ratio else "-",
-                     f"{r['acceptance']:.2f}", _num(r["host_overhead"], 100, "%"), f"{r['agreement']:.2f}"])
+                     _spread(r["ratio"]), f"{r['acceptance']:.2f}", _num(r["host_overhead"], 100, "%"), f"{r['agreement']:.2f}"])
     s = doc["settings"]
     head = (f"target {s['model']}, draft {s['draft']}; {s['max_tokens']} tokens, {s['repeat']} repeats, seed {s['seed']};"
             " ratio = drafter / plain in the same repeat")
@@ -326,10 +324,9 @@ def ngram_report(doc: dict) -> str:
     table = [["case", "T", *[f"{x} tok/s" for x in sides], "n-gram / plain", "n-gram / best pld", "acceptance"]
              + (["pool / n-gram"] if s.get("pool_tokens") else [])]
     for r in doc["rows"]:
-        ratio = lambda side: (f"{r['ratios'][side]['median']:.3f} ({r['ratios'][side]['min']:.2f}-"
-                              f"{r['ratios'][side]['max']:.2f})" if side and side in r["ratios"] else "-")
         table.append([r["case"], f"{r['temperature']:g}", *[_num(r["tok_s"].get(x)) for x in sides],
-                      ratio("plain"), ratio(r["best_pld"]), f"{r['acceptance']:.2f}"]
+                      _spread(r["ratios"].get("plain")), _spread(r["ratios"].get(r["best_pld"])),
+                      f"{r['acceptance']:.2f}"]
                      + ([_spread(r.get("pool_gain"))] if s.get("pool_tokens") else []))
     head = (f"{s['model']}, {s['threads']} threads, up to {s['max_tokens']} tokens, {s['repeat']} interleaved runs;"
             " ratios are medians (min-max) of paired runs")
