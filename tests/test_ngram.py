@@ -278,3 +278,15 @@ def test_pool_lookup_matches_a_scan(pool_seqs, seq, k):
     for s in pool_seqs:
         pool.add(s)
     assert pool.lookup(seq, k).tokens == pool_brute_force([s for s in pool_seqs if s], seq, k)
+
+
+def test_the_pool_never_asks_the_model_about_its_gap():
+    def is_stop(t):  # llama.cpp's is_eog on -1 reads out of its vocabulary
+        assert t >= 0, "asked about the gap"
+        return t == 9
+
+    pool = NgramPool()
+    pool.add([1, 2, 3])
+    pool.add([4, 6, 9, 5])
+    assert pool.lookup([1, 2], 5, is_stop).tokens == [3]        # the sequence ends before the gap
+    assert pool.lookup([4, 6], 5, is_stop).tokens == [9]        # cut after the stop token

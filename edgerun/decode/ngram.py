@@ -22,7 +22,7 @@ POOL_TOKENS = 1 << 16  # tokens an NgramPool keeps (its index: about 3 entries p
 # the shortest match the pool's proposals need: a few tokens in common with unrelated text are
 # chance, and drafts from them are mostly rejected verify work; a copy runs longer
 POOL_MIN_MATCH = 8
-_GAP = -1  # between two sequences of a pool: no n-gram spans it, no proposal runs past it
+_GAP = -1  # between two sequences of a pool: no token, so no match spans it; no proposal runs past it
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class Proposal:
 
 class _Index:
     """Where each n-gram (n_min..n_max tokens) of `tokens` last ended, grown as tokens arrive, so
-    a lookup is a few dict lookups instead of a scan. N-grams across a _GAP are left out."""
+    a lookup is a few dict lookups instead of a scan. An n-gram across a _GAP is indexed too: no
+    lookup key holds one, so it never matches (checking for it cost every token a third more)."""
 
     def __init__(self, tokens: list[int], n_max: int, n_min: int):
         self.tokens, self.n_max, self.n_min = tokens, n_max, n_min
@@ -44,30 +45,30 @@ class _Index:
         tokens, last_end = self.tokens, self.last_end
         for e in range(self.indexed + 1, end + 1):
             for n in range(self.n_min, min(self.n_max, e) + 1):
-                gram = tuple(tokens[e - n : e])
-                if _GAP not in gram:
-                    last_end[gram] = e
+                last_end[tuple(tokens[e - n : e])] = e
         self.indexed = max(self.indexed, end)
 
-    def find(self, seq: list[int], k: int, is_stop: Callable[[int], bool] | None) -> Proposal:
-        """Up to k tokens after the latest indexed occurrence of seq's longest suffix n-gram (cut
-        at a gap and after a stop token), and how many tokens before it agree with seq's."""
+    def find(self, seq: list[int], k: int) -> Proposal:
+        """Up to k tokens after the latest indexed occurrence of seq's longest suffix n-gram, and
+        how many tokens before it agree with seq's."""
         for n in range(min(self.n_max, len(seq)), self.n_min - 1, -1):
             end = self.last_end.get(tuple(seq[-n:]))
             if end is None:
                 continue
-            tokens = self.tokens[end : end + k]
-            if _GAP in tokens:
-                tokens = tokens[: tokens.index(_GAP)]
-            if is_stop is not None:
-                stop = next((i for i, t in enumerate(tokens) if is_stop(t)), None)
-                if stop is not None:
-                    tokens = tokens[: stop + 1]
             m = n
             while m < MATCH_MAX and m < end and m < len(seq) and self.tokens[end - m - 1] == seq[-m - 1]:
                 m += 1
-            return Proposal(tokens, m)
+            return Proposal(self.tokens[end : end + k], m)
         return Proposal([])
+
+
+def _cut(found: Proposal, is_stop: Callable[[int], bool] | None) -> Proposal:
+    """The proposal up to and with its first stop token (nothing after one is ever kept)."""
+    if is_stop is not None:
+        stop = next((i for i, t in enumerate(found.tokens) if is_stop(t)), None)
+        if stop is not None:
+            return Proposal(found.tokens[: stop + 1], found.match)
+    return found
 
 
 class NgramDrafter:
@@ -98,7 +99,7 @@ class NgramDrafter:
             return Proposal([])
         # the suffix itself (ending at len(tokens)) stays out, so a lookup finds an earlier one
         self._index.index_until(len(seq) - 1)
-        own = self._index.find(seq, k, self.is_stop)
+        own = _cut(self._index.find(seq, k), self.is_stop)
         if self.pool is not None and own.match < MATCH_MAX:
             other = self.pool.lookup(seq, k, self.is_stop)
             if other.tokens and other.match >= POOL_MIN_MATCH and other.match > own.match:
@@ -151,5 +152,9 @@ class NgramPool:
         return pool
 
     def lookup(self, seq: list[int], k: int, is_stop: Callable[[int], bool] | None = None) -> Proposal:
-        """What followed the longest suffix n-gram of `seq` in the pool, up to k tokens."""
-        return self._index.find(seq, k, is_stop)
+        """What followed the longest suffix n-gram of `seq` in the pool, up to k tokens (and not
+        past the end of the sequence it is in)."""
+        found = self._index.find(seq, k)
+        if _GAP in found.tokens:  # before is_stop sees it: -1 is no token of the model
+            found = Proposal(found.tokens[: found.tokens.index(_GAP)], found.match)
+        return _cut(found, is_stop)
