@@ -26,6 +26,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from edgerun.bench.scenario import Scenario, claim, count, register
@@ -98,14 +99,13 @@ def _variants(f16: Path, cache: Path, out_dir: Path, opts, calibs: tuple[str, ..
             quantize(f16, stock, ftype=ftype, overrides={}, imatrix=measured["code"][0], n_threads=opts.n_threads,
                      progress=bar)
         out[f"stock {ftype}"] = stock
-    k_only = set(pipeline.CANDIDATE_TYPES)  # what --k-quants-only plans with
     for ftype in SIZES:
         budget = _tensor_bytes(out[f"stock {ftype}"])
         plans = [(f"edgerun @{ftype} ({calib} calib)", f"edgerun-{ftype}-{calib}", *measured[calib])
                  for calib in calibs]
         imatrix, costs = measured["code"]
         plans.append((f"edgerun k-quants @{ftype}", f"edgerun-k-{ftype}", imatrix,
-                      [dataclasses.replace(c, errors={t: e for t, e in c.errors.items() if t in k_only}) for c in costs]))
+                      pipeline.only_types(costs, pipeline.CANDIDATE_TYPES)))
         for name, stem, imatrix, costs in plans:
             chosen = plan.choose(costs, budget, fixed_bytes=inv.fixed_bytes)
             ours = out_dir / f"{stem}.gguf"
@@ -179,10 +179,7 @@ def measure(args: argparse.Namespace, say) -> dict:
 
 def type_counts(tensors: dict) -> dict[str, int]:
     """How many tensors of each type a file holds (the plan at a glance)."""
-    counts: dict[str, int] = {}
-    for t in tensors.values():
-        counts[t["type"]] = counts.get(t["type"], 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    return dict(Counter(t["type"] for t in tensors.values()).most_common())
 
 
 def best_stock(results: dict, size_of: str) -> str:

@@ -67,8 +67,8 @@ class ConvertOptions:
     types: tuple[str, ...] = CANDIDATE_TYPES
     weigh: bool = True  # measure each role's KLD per unit of error (gains.py); off: all roles weigh 1
     i_quants: bool = True  # also let the plan pick I_QUANTS (off: --k-quants-only)
-    compare_stock: bool = False  # also quantize and evaluate the stock recipes near the plan's size
-    plot: Path | None = None  # draw the plan against them (KLD vs size) into this PNG; implies compare_stock
+    plot: Path | None = None  # also quantize and evaluate the stock recipes near the plan's size, and
+    # draw the plan against them (KLD vs size) into this PNG
     max_rows: int | None = 256
     n_threads: int | None = None
     work_dir: Path | None = None  # default: <cache>/convert
@@ -89,7 +89,7 @@ def check(opts: ConvertOptions) -> None:
     if not opts.src.startswith("hf://") and not Path(opts.src).expanduser().exists():
         raise ConvertError(f"{opts.src}: no such file or directory; give an HF checkpoint directory, "
                            "hf://org/repo or an F16/BF16/F32 GGUF")
-    if (opts.plot or opts.compare_stock) and not opts.eval_chunks:
+    if opts.plot and not opts.eval_chunks:
         raise ConvertError("comparing with the stock recipes (--plot) needs the quality evaluation; drop --eval-chunks 0")
     for path in (opts.output, opts.report_path, opts.keep_f16, opts.plot):
         if path is not None and not Path(path).expanduser().resolve().parent.is_dir():
@@ -150,7 +150,7 @@ def convert(opts: ConvertOptions, *, progress: Progress | None = None) -> report
         quantize(f16, Path(opts.output), ftype=base, overrides=chosen.types, imatrix=imatrix,
                  n_threads=opts.n_threads, progress=progress)
     quality, stock = None, {}
-    if opts.plot or opts.compare_stock:
+    if opts.plot:
         with clock("stock"):
             stock = cached_stock(f16, imatrix, imatrix_key, opts, work, budget, inventory, progress)
     if opts.eval_chunks:
@@ -160,7 +160,8 @@ def convert(opts: ConvertOptions, *, progress: Progress | None = None) -> report
                                              n_ctx=opts.n_ctx, max_chunks=opts.eval_chunks,
                                              n_threads=opts.n_threads, progress=progress)
         quality = qualities[0]
-        stock = {ftype: _stock_summary(path, q) for (ftype, path), q in zip(stock.items(), qualities[1:])}
+        stock = {ftype: report.summary(report.build(path, q).to_json())
+                 for (ftype, path), q in zip(stock.items(), qualities[1:])}
     result = report.build(
         Path(opts.output), quality, source=opts.src, f16=str(f16), calib=list(opts.calib),
         eval_text=str(opts.eval_text), budget_bytes=budget, base_ftype=base,
@@ -205,11 +206,6 @@ def cached_stock(f16: Path, imatrix, imatrix_key: str, opts: ConvertOptions, wor
             progress(f"stock {ftype}", 1, 1)
         out[ftype] = path
     return out
-
-
-def _stock_summary(path: Path, q: report.Quality) -> dict:
-    doc = report.build(path, q).to_json()
-    return {k: doc[k] for k in ("size_bytes", "bpw", "kld_mean", "kld_p99", "top1_agreement", "ppl", "ppl_ref")}
 
 
 class _Clock:
@@ -298,6 +294,13 @@ def relative_costs(costs: Sequence[TensorCost]) -> list[TensorCost]:
             for c in costs]
 
 
+def only_types(costs: Sequence[TensorCost], types: Sequence[str]) -> list[TensorCost]:
+    """COSTS with only TYPES left among each tensor's candidates (the base types of the i-quant
+    measurements; what --k-quants-only plans with)."""
+    keep = set(types)
+    return [dataclasses.replace(c, errors={t: e for t, e in c.errors.items() if t in keep}) for c in costs]
+
+
 def cached_gains(f16: Path, imatrix, imatrix_key: str, costs: Sequence[TensorCost], opts: ConvertOptions,
                  work: Path, progress: Progress | None) -> dict[str, float]:
     """Each tensor role's measured KLD per unit of relative error, computed once per input. The
@@ -309,8 +312,7 @@ def cached_gains(f16: Path, imatrix, imatrix_key: str, costs: Sequence[TensorCos
         if progress:
             progress("weigh roles (cached)", 1, 1)
         return json.loads(path.read_text())
-    base = [dataclasses.replace(c, errors={t: e for t, e in c.errors.items() if t in opts.types}) for c in costs]
-    measured = gains.measure(f16, base, calibration_text(opts.calib), work=work / "probe", imatrix=imatrix,
+    measured = gains.measure(f16, only_types(costs, opts.types), calibration_text(opts.calib), work=work / "probe", imatrix=imatrix,
                              n_ctx=opts.n_ctx, n_threads=opts.n_threads, progress=progress)
     report.write_text_atomic(path, json.dumps(measured, indent=1))
     return measured

@@ -20,7 +20,7 @@ def points(report_doc: dict) -> list[tuple[str, float, float, bool]]:
     return out
 
 
-def plot(report_doc: dict, path: Path, *, title: str | None = None) -> Path:
+def plot(report_doc: dict, path: Path) -> Path:
     """A PNG of mean KLD (log scale) vs size: the stock recipes as a line of labelled dots, the plan
     as a star. Returns PATH."""
     from matplotlib.figure import Figure
@@ -38,7 +38,7 @@ def plot(report_doc: dict, path: Path, *, title: str | None = None) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("file size (MB)")
     ax.set_ylabel("mean KLD vs F16 (log)")
-    ax.set_title(title or Path(report_doc.get("output", "")).name)
+    ax.set_title(Path(report_doc.get("output", "")).name)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     path = Path(path)

@@ -236,6 +236,16 @@ class Report:
         return "\n".join(lines)
 
 
+# A report's headline figures: what the registry of converted models keeps of it, and what the
+# report keeps of each stock recipe it was compared with.
+SUMMARY_KEYS = ("size_bytes", "bpw", "kld_mean", "kld_p99", "top1_agreement", "ppl", "ppl_ref")
+
+
+def summary(doc: dict) -> dict:
+    """SUMMARY_KEYS of a report's JSON document (None where not measured)."""
+    return {k: doc.get(k) for k in SUMMARY_KEYS}
+
+
 def build(path: Path, quality: Quality | None = None, **details) -> Report:
     tensors = describe(path)
     return Report(output=str(path), size_bytes=Path(path).stat().st_size,
