@@ -5,7 +5,7 @@ from and how good it is.
 The registry is one JSON file in the data folder (<data>/local_models.json), rewritten atomically
 under an exclusive lock, so two edgerun processes registering at once both land. It holds, per
 model: its name, the GGUF's path, its origin (what was converted), when, and the report's summary
-(size, bpw, mean KLD, top-1, perplexities, and the paths of the full report and plot)."""
+(size, bpw, mean KLD, top-1, perplexities) with the paths of the full report and plot."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import fcntl
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Iterator
 
@@ -22,7 +22,6 @@ from edgerun import paths
 from edgerun.errors import ConfigError
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,79}")
-SUMMARY_KEYS = ("size_bytes", "bpw", "kld_mean", "kld_p99", "top1_agreement", "ppl", "ppl_ref")
 
 
 @dataclass(frozen=True)
@@ -31,10 +30,9 @@ class LocalModel:
     path: str
     origin: str
     created: float
-    summary: dict = field(default_factory=dict)  # SUMMARY_KEYS (None where not measured)
+    summary: dict = field(default_factory=dict)  # report.SUMMARY_KEYS (None where not measured)
     report_path: str | None = None
     plot_path: str | None = None
-    stock: dict = field(default_factory=dict)  # recipe -> {size_bytes, kld_mean, ...} when compared
 
     def describe(self) -> str:
         """One line: size, bpw and quality against the source."""
@@ -77,38 +75,39 @@ def find(name: str) -> LocalModel | None:
     return next((m for m in load() if m.name == name), None)
 
 
+def present() -> list[tuple[str, Path]]:
+    """(name, GGUF) of every model here: the pulled catalog models, then those converted here."""
+    from edgerun.models import catalog, fetch
+
+    pulled = [(e.name, fetch.local_file(e)) for e in catalog.load().entries if fetch.is_present(e)]
+    return pulled + [(m.name, Path(m.path)) for m in load()]
+
+
 def register(name: str, gguf: Path, *, origin: str, report: dict, report_path: Path | None = None,
              plot_path: Path | None = None) -> LocalModel:
     """Add (or replace) NAME -> GGUF with its origin and report (report.Report.to_json())."""
+    from edgerun.convert.report import summary
+
     check_name(name)
     model = LocalModel(name=name, path=str(Path(gguf).resolve()), origin=origin, created=time.time(),
-                       summary={k: report.get(k) for k in SUMMARY_KEYS},
+                       summary=summary(report),
                        report_path=str(report_path) if report_path else None,
-                       plot_path=str(plot_path) if plot_path else None, stock=report.get("stock") or {})
+                       plot_path=str(plot_path) if plot_path else None)
     with _locked():
         models = [m for m in _read() if m.name != name] + [model]
         _write(models)
     return model
 
 
-def remove(name: str) -> bool:
-    """Forget NAME (its files stay). True if it was registered."""
-    with _locked():
-        models = _read()
-        kept = [m for m in models if m.name != name]
-        if len(kept) != len(models):
-            _write(kept)
-    return len(kept) != len(models)
-
-
 def _read() -> list[LocalModel]:
     path = registry_path()
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-        return [LocalModel(**m) for m in doc["models"]]
+        known = {f.name for f in fields(LocalModel)}  # keys an older or later edgerun wrote are skipped
+        return [LocalModel(**{k: v for k, v in m.items() if k in known}) for m in doc["models"]]
     except FileNotFoundError:
         return []
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"{path}: unreadable registry of converted models ({e}); move it away and "
                           "convert again or re-register") from None
 

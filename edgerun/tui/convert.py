@@ -55,7 +55,6 @@ class ConvertJob:
     done: int = 0
     total: int = 0
     step_started: float = 0.0
-    started: float = 0.0
     finished: dict[str, str] = field(default_factory=dict)  # step -> "done" | "cached"
     labels: list[str] = field(default_factory=list)  # every label seen, in order
     error: str | None = None
@@ -100,7 +99,7 @@ class ConvertJob:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
         except (AttributeError, OSError):
             pass
-        self.state, self.started = "running", self.clock()
+        self.state = "running"
         opts = self.options
         try:
             result = pipeline.convert(opts, progress=self.progress)
@@ -124,14 +123,14 @@ class ConvertJob:
 
 def draft_candidates(name: str) -> list[str]:
     """Models present here (catalog or converted) that share NAME's vocabulary: drafts for it."""
-    from edgerun.models import catalog, fetch, local
+    from edgerun.models import fetch, local
     from edgerun.runtime.vocab import check_pair
 
     target = fetch.resolve(name)
-    present = [(e.name, fetch.local_file(e)) for e in catalog.load().entries if fetch.is_present(e)]
-    present += [(m.name, Path(m.path)) for m in local.load() if m.name != name]
     out = []
-    for other, path in present:
+    for other, path in local.present():
+        if other == name:
+            continue
         try:
             check_pair(target, path)
         except EdgerunError:
@@ -239,7 +238,7 @@ class ConvertScreen(ModalScreen):
 
     @property
     def job(self) -> ConvertJob | None:
-        return getattr(self.app, "convert_job", None)
+        return self.app.convert_job
 
     def on_mount(self) -> None:
         self._shown_drafts: list[str] | None = None

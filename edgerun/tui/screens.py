@@ -81,9 +81,7 @@ class ModelScreen(ModalScreen):
             target = fetch.resolve(self.target)
         except EdgerunError:
             return
-        present = [(e.name, fetch.local_file(e)) for e in catalog.load().entries if fetch.is_present(e)]
-        present += [(m.name, Path(m.path)) for m in local.load()]
-        for name, path in present:
+        for name, path in local.present():
             if name != self.target:
                 try:
                     check_pair(target, path)
