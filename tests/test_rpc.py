@@ -7,7 +7,6 @@ memory each server reports in use after the load) and the replies against a loca
 from __future__ import annotations
 
 import contextlib
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from edgerun.bench.servers import free_port, rpc_servers
 from edgerun.errors import ConfigError, EngineError
 from edgerun.runtime import placement, rpc
 from edgerun.runner import Runner
@@ -24,50 +24,14 @@ from edgerun.settings import EngineSettings, SamplerSettings
 
 MiB = 2**20
 GREEDY = SamplerSettings(temperature=0.0)
-START_S = 60  # a server must listen within this (it imports llama.cpp first)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
-def servers(n: int, *, mem_gib: float, threads: int = 1):
-    """n `edgerun rpc-server`s on 127.0.0.1, each capped at mem_gib; yields (endpoints, processes)."""
-    procs, eps = [], []
-    try:
-        for _ in range(n):
-            port = _free_port()
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "edgerun.cli", "rpc-server", "--port", str(port), "--mem", str(mem_gib),
-                 "--threads", str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-            eps.append(f"127.0.0.1:{port}")
-        deadline = time.monotonic() + START_S
-        for ep, proc in zip(eps, procs):
-            host, port = ep.split(":")
-            while True:
-                try:
-                    socket.create_connection((host, int(port)), timeout=1).close()
-                    break
-                except OSError:
-                    assert proc.poll() is None, f"rpc-server exited: {proc.stderr.read()}"
-                    assert time.monotonic() < deadline, "rpc-server did not start listening"
-                    time.sleep(0.1)
-        yield eps, procs
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            proc.stderr.close()
+def servers(logs, n: int, *, mem_gib: float):
+    """n `edgerun rpc-server`s on 127.0.0.1 serving their CPU, each capped at mem_gib; yields
+    (endpoints, bench.servers.Server of each)."""
+    with rpc_servers(logs, ["cpu"] * n, [mem_gib] * n, threads=1) as started:
+        yield [s.url for s in started], started
 
 
 def _reply(runner: Runner, prompt: str, n: int) -> list[int]:
@@ -76,14 +40,7 @@ def _reply(runner: Runner, prompt: str, n: int) -> list[int]:
 
 def _used(runner: Runner) -> list[int]:
     """Bytes each server's device holds now (what it reports as total minus free)."""
-    import ctypes
-
-    out = []
-    for d in runner.remote:
-        free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        rpc.lib().base.ggml_backend_dev_memory(d.handle, ctypes.byref(free), ctypes.byref(total))
-        out.append(total.value - free.value)
-    return out
+    return [total - free for free, total in map(rpc.memory, (d.handle for d in runner.remote))]
 
 
 # --- the plan (pure) -------------------------------------------------------------------------
@@ -165,7 +122,7 @@ def test_endpoints_parse_and_bad_ones_say_the_form():
 
 
 def test_a_server_down_at_start_is_one_line_naming_it(tiny_model):
-    port = _free_port()
+    port = free_port()
     with pytest.raises(ConfigError, match=f"rpc server 127.0.0.1:{port} is not reachable"):
         Runner(tiny_model, EngineSettings(rpc=f"127.0.0.1:{port}", n_ctx=256), draft="none")
     out = subprocess.run([sys.executable, "-m", "edgerun.cli", "run", "hi", "-m", str(tiny_model), "--rpc",
@@ -184,7 +141,7 @@ def test_the_server_refuses_a_port_in_use_and_warns_off_loopback():
         out = subprocess.run([sys.executable, "-m", "edgerun.cli", "rpc-server", "--port", str(port)],
                              capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "rpc-server", "--host", "0.0.0.0", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -198,11 +155,11 @@ def test_the_server_refuses_a_port_in_use_and_warns_off_loopback():
 
 # --- a tiny model split over two servers ------------------------------------------------------
 
-def test_a_tiny_model_split_over_two_servers_replies_as_the_local_run(tiny_model):
+def test_a_tiny_model_split_over_two_servers_replies_as_the_local_run(tiny_model, tmp_path):
     settings = EngineSettings(n_ctx=512, gpu_layers="0")
     with Runner(tiny_model, settings, draft="none") as local:
         want = _reply(local, "split me", 48)
-    with servers(2, mem_gib=0.5) as (eps, _):
+    with servers(tmp_path, 2, mem_gib=0.5) as (eps, _):
         with Runner(tiny_model, settings.replace(rpc=",".join(eps)), draft="none") as remote:
             assert [s.blocks for s in remote.plan.devices.shares] == [1, 1]  # equal servers: one block each
             assert remote.plan.devices.cpu_blocks == 0
@@ -219,12 +176,12 @@ def test_a_tiny_model_split_over_two_servers_replies_as_the_local_run(tiny_model
         assert f"0/2 layers on the local CPU" in text and f"({eps[1]}) + head" in text
 
 
-def test_a_server_that_stops_answering_ends_the_reply_within_the_timeout(tiny_model):
+def test_a_server_that_stops_answering_ends_the_reply_within_the_timeout(tiny_model, tmp_path):
     settings = EngineSettings(n_ctx=512, gpu_layers="0", rpc_timeout_s=2)
-    with servers(2, mem_gib=0.5) as (eps, procs):
+    with servers(tmp_path, 2, mem_gib=0.5) as (eps, started):
         with Runner(tiny_model, settings.replace(rpc=",".join(eps)), draft="none") as runner:
             assert len(_reply(runner, "warm", 4)) == 4
-            procs[1].send_signal(signal.SIGSTOP)  # alive but silent: only the timeout can end the wait
+            started[1].pause()  # SIGSTOP: alive but silent; only the timeout can end the wait
             start = time.monotonic()
             with pytest.raises(EngineError, match=f"rpc server {eps[1]} stopped answering"):
                 _reply(runner, "and now", 200)
@@ -236,7 +193,7 @@ def test_a_server_that_stops_answering_ends_the_reply_within_the_timeout(tiny_mo
 
 # --- the real 1.5B over two capped servers (model tier) ---------------------------------------
 
-def test_the_1_5b_split_over_two_capped_servers_equals_the_local_run(target_model):
+def test_the_1_5b_split_over_two_capped_servers_equals_the_local_run(target_model, tmp_path):
     from edgerun.models.gguf_check import inspect
     from edgerun.runner import footprint
 
@@ -250,7 +207,7 @@ def test_the_1_5b_split_over_two_capped_servers_equals_the_local_run(target_mode
     # that must agree bit for bit runs the same ones
     with Runner(target_model, settings.replace(cpu_repack=False), draft="none") as local:
         want = _reply(local, prompt, 24)
-    with servers(2, mem_gib=cap / 2**30) as (eps, procs):
+    with servers(tmp_path, 2, mem_gib=cap / 2**30) as (eps, started):
         with Runner(target_model, settings.replace(rpc=",".join(eps)), draft="none") as runner:
             shares = [s.blocks for s in runner.plan.devices.shares]
             assert all(0 < n < info.n_layers for n in shares) and runner.plan.devices.cpu_blocks == 0
@@ -264,8 +221,8 @@ def test_the_1_5b_split_over_two_capped_servers_equals_the_local_run(target_mode
                     if hasattr(record, "token"):
                         got += 1
                         if got == 3:
-                            procs[0].kill()
-                            procs[0].wait()
+                            started[0].proc.kill()
+                            started[0].proc.wait()
                             start = time.monotonic()
             assert start is not None and time.monotonic() - start < settings.rpc_timeout_s
 

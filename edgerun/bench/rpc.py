@@ -21,19 +21,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import signal
-import socket
 import subprocess
-import sys
-import time
+import tempfile
 from pathlib import Path
 
 from edgerun.bench.gpu import PROMPT, edgerun_run
 from edgerun.bench.scenario import Scenario, claim, count, interleave, register, side_lines
 from edgerun.bench.stats import ratio_spread, spread
 from edgerun.errors import ConfigError, EngineError
-
-START_S = 120
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -54,43 +49,15 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-bench", default=None, metavar="BIN", help="also run llama-bench --rpc on the same split")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _servers(kinds: list[str], mems: list[float | None], threads: int):
-    procs, eps = [], []
-    try:
-        for kind, mem in zip(kinds, mems):
-            port = _free_port()
-            cmd = [sys.executable, "-m", "edgerun.cli", "rpc-server", "--port", str(port), "--threads", str(threads)]
-            cmd += (["--mem", f"{mem:.3f}"] if mem else []) + (["--cpu"] if kind == "cpu" else [])
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            eps.append(f"127.0.0.1:{port}")
-        deadline = time.monotonic() + START_S
-        for ep, proc in zip(eps, procs):
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", int(ep.split(":")[1])), timeout=1).close()
-                    break
-                except OSError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise EngineError(f"the rpc-server for {ep} did not start") from None
-                    time.sleep(0.2)
-        yield eps
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    """The spawned servers' endpoints; their logs go to a temporary folder (a server that does not
+    start is reported with its last line)."""
+    from edgerun.bench.servers import rpc_servers
+
+    with tempfile.TemporaryDirectory(prefix="edgerun-bench-rpc-") as logs, \
+            rpc_servers(Path(logs), kinds, mems, threads) as started:
+        yield [s.url for s in started]
 
 
 def _reply(runner, tokens: int) -> tuple[float, float | None]:

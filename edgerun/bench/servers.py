@@ -1,6 +1,7 @@
 """The server processes of `edgerun bench serve`: edgerun serve and llama.cpp's llama-server on
 free 127.0.0.1 ports, each stopped (SIGSTOP) while the other is measured so it takes no CPU,
-and always stopped at the end (SIGTERM, then SIGKILL after a bounded wait).
+and always stopped at the end (SIGTERM, then SIGKILL after a bounded wait). `edgerun bench rpc`
+(and tests/test_rpc.py) start their `edgerun rpc-server`s the same way.
 
 Both logs go to files, not pipes: a server that logs every request would block on a full pipe
 that nobody reads. The ready wait is bounded too (a model load, not a measurement).
@@ -8,6 +9,7 @@ that nobody reads. The ready wait is bounded too (a model load, not a measuremen
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -45,7 +47,8 @@ def llama_tool(name: str, given: str | None = None) -> str:
 
 
 class Server:
-    """One server process; `url` is its base (http://127.0.0.1:PORT)."""
+    """One server process; `url` is its address once ready (http://127.0.0.1:PORT; an rpc-server's
+    127.0.0.1:PORT)."""
 
     def __init__(self, name: str, cmd: list[str], log: Path) -> None:
         self.name, self.log, self.url = name, log, ""
@@ -125,6 +128,37 @@ def start_llama_server(binary: str, model: Path, threads: int, ctx: int, paralle
     url = f"http://127.0.0.1:{port}"
     _start(server, lambda: url if _health(url) else None)
     return server
+
+
+@contextlib.contextmanager
+def rpc_servers(logs: Path, kinds: list[str], mems: list[float | None], threads: int):
+    """`edgerun rpc-server`s on free 127.0.0.1 ports, one per kind ("gpu": this machine's GPU where
+    it has one; "cpu": its CPU even then), each capped at its `mems` GiB (None: no cap). Started
+    together, ready once each accepts a connection, all stopped at the end. Yields the Servers;
+    each one's `url` is its HOST:PORT, what --rpc takes."""
+    started: list[Server] = []
+    try:
+        for i, (kind, mem) in enumerate(zip(kinds, mems, strict=True)):
+            port = free_port()
+            cmd = [sys.executable, "-m", "edgerun.cli", "rpc-server", "--port", str(port), "--threads", str(threads)]
+            cmd += (["--mem", f"{mem:.3f}"] if mem else []) + (["--cpu"] if kind == "cpu" else [])
+            started.append(Server(f"rpc-server {i} ({kind})", cmd, logs / f"rpc-server-{i}.log"))
+            started[-1].url = f"127.0.0.1:{port}"
+        for server in started:
+            server.wait_ready(lambda ep=server.url: ep if _accepts(ep) else None)
+        yield started
+    finally:
+        for server in started:
+            server.close()
+
+
+def _accepts(endpoint: str) -> bool:
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def _start(server: Server, ready) -> None:

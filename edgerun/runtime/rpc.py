@@ -144,11 +144,16 @@ def connect(endpoints: tuple[Endpoint, ...], *, timeout_s: float) -> list[Remote
                               f" within {timeout_s:.0f} s (busy with another client, or not an rpc-server)")
         for i in range(binding.base.ggml_backend_reg_dev_count(reg)):
             dev = binding.base.ggml_backend_reg_dev_get(reg, i)
-            free, total = ctypes.c_size_t(), ctypes.c_size_t()
-            binding.base.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
             name = binding.base.ggml_backend_dev_name(dev).decode()
-            found.append(RemoteDevice(str(ep), name, free.value, total.value, dev))
+            found.append(RemoteDevice(str(ep), name, *memory(dev), dev))
     return found
+
+
+def memory(handle: int) -> tuple[int, int]:
+    """(free, total) bytes a device reports now (a server's: asked over the network)."""
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    lib().base.ggml_backend_dev_memory(handle, ctypes.byref(free), ctypes.byref(total))
+    return free.value, total.value
 
 
 def local_gpus() -> list[int]:
@@ -208,11 +213,10 @@ def serve_devices(*, cpu: bool = False) -> list[int]:
 
 def describe(handle: int) -> str:
     binding = lib()
-    free, total = ctypes.c_size_t(), ctypes.c_size_t()
-    binding.base.ggml_backend_dev_memory(handle, ctypes.byref(free), ctypes.byref(total))
+    free, total = memory(handle)
     name = binding.base.ggml_backend_dev_name(handle).decode()
     desc = binding.base.ggml_backend_dev_description(handle).decode()
-    return f"{name} ({desc}), {free.value / 2**30:.2f} GiB free of {total.value / 2**30:.2f} GiB"
+    return f"{name} ({desc}), {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB"
 
 
 def start_server(endpoint: Endpoint, *, threads: int, mem_bytes: int | None, cache_dir: str | None,
