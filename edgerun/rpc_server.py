@@ -54,11 +54,17 @@ def run(args) -> int:
     cap = f", at most {mem / GiB:.2f} GiB" if mem else ""
     for d in devices:
         print(f"edgerun rpc-server: serving {rpc.describe(d)}{cap}, {threads} threads, on {ep}", file=sys.stderr)
-    print(f"edgerun rpc-server: clients use --rpc {ep}; Ctrl-C stops", file=sys.stderr, flush=True)
+    # in place before the server thread starts (a KeyboardInterrupt then would finalize ggml under
+    # it); put back only if it does not start: once it runs, the process ends in os._exit
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    server = rpc.start_server(ep, threads=threads, mem_bytes=mem, cache_dir=cache, devices=devices)
+    previous = [(sig, signal.signal(sig, lambda *_: stop.set())) for sig in (signal.SIGINT, signal.SIGTERM)]
+    try:
+        server = rpc.start_server(ep, threads=threads, mem_bytes=mem, cache_dir=cache, devices=devices)
+    except BaseException:
+        for sig, handler in previous:
+            signal.signal(sig, handler)
+        raise
+    print(f"edgerun rpc-server: clients use --rpc {ep}; Ctrl-C stops", file=sys.stderr, flush=True)
     while not stop.wait(0.2):
         if not server.is_alive():
             print(f"edgerun: error: ggml's RPC server on {ep} stopped (see its message above)", file=sys.stderr)

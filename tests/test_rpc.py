@@ -147,6 +147,8 @@ def test_the_server_refuses_a_port_in_use_and_warns_off_loopback():
     try:
         first = proc.stderr.readline()
         assert "warning: ggml's RPC protocol has no authentication" in first and "trusted network only" in first
+        # the line it says once SIGTERM stops it cleanly
+        assert any("Ctrl-C stops" in line for line in proc.stderr), "rpc-server exited before it served"
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
