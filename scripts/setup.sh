@@ -94,7 +94,8 @@ cmake_args+=" -DGGML_RPC=ON"
 stamp="$state/.llama-cpp-python.stamp"
 want="$LLAMA_CPP_VERSION $backend $cmake_args"
 # every build carries edgerun's source patches (scripts/llama_patches.py says what and why)
-want+=" patches=$(sha256sum scripts/llama_patches.py | cut -d' ' -f1)"
+patches=$(sha256sum scripts/llama_patches.py | cut -d' ' -f1)
+want+=" patches=$patches"
 tools_want="$want"  # what the tools' build depends on: the library's settings, not its build tree
 build_dir=()
 bench=${EDGERUN_LLAMA_BENCH:-0}
@@ -102,9 +103,6 @@ if [ -n "${EDGERUN_LLAMA_BUILD_DIR:-}" ]; then
   build_dir=(-C "build-dir=$EDGERUN_LLAMA_BUILD_DIR")
   want+=" build-dir=$EDGERUN_LLAMA_BUILD_DIR"
 fi
-# The source is always the patched copy in build/llama-src (which a kept build tree needs anyway:
-# a pip build of a .tar.gz unpacks it into a temporary folder).
-patched=1
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "building llama-cpp-python $LLAMA_CPP_VERSION ($backend backend; takes a few minutes)"
   if [ -n "$bundle" ]; then  # the bundle's build tools, or those already installed
@@ -112,12 +110,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   else
     "$py" -m pip install -q --upgrade pip scikit-build-core cmake ninja >&2
   fi
-  sdist="${EDGERUN_LLAMA_SDIST:-llama-cpp-python==$LLAMA_CPP_VERSION}"
-  if [ "$patched" = 1 ]; then
-    "$py" scripts/llama_patches.py prepare "${EDGERUN_LLAMA_SDIST:-}" "$root/build/llama-src" --version "$LLAMA_CPP_VERSION"
-    sha256sum scripts/llama_patches.py | cut -d' ' -f1 > "$root/build/llama-src/.edgerun-patches"
-    sdist="$root/build/llama-src"
-  fi
+  # the source is always the patched copy in build/llama-src (which a kept build tree needs anyway:
+  # a pip build of a .tar.gz unpacks it into a temporary folder)
+  "$py" scripts/llama_patches.py prepare "${EDGERUN_LLAMA_SDIST:-}" "$root/build/llama-src" --version "$LLAMA_CPP_VERSION"
+  echo "$patches" > "$root/build/llama-src/.edgerun-patches"
+  sdist="$root/build/llama-src"
   CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     "$py" -m pip install --no-cache-dir --force-reinstall --no-deps --no-build-isolation --no-binary llama-cpp-python \
     ${build_dir[@]+"${build_dir[@]}"} "$sdist" >&2
@@ -134,9 +131,9 @@ if [ "$bench" = 1 ] && { [ "$(cat "$tools_dir/.stamp" 2>/dev/null)" != "$tools_w
   log "building llama-bench, llama-server and llama-batched-bench in $tools_dir"
   src="$root/build/llama-src"
   if ! grep -qx "Version: $LLAMA_CPP_VERSION" "$src/PKG-INFO" 2>/dev/null \
-     || [ "$(cat "$src/.edgerun-patches" 2>/dev/null)" != "$(sha256sum scripts/llama_patches.py | cut -d' ' -f1)" ]; then
+     || [ "$(cat "$src/.edgerun-patches" 2>/dev/null)" != "$patches" ]; then
     "$py" scripts/llama_patches.py prepare "${EDGERUN_LLAMA_SDIST:-}" "$src" --version "$LLAMA_CPP_VERSION"
-    sha256sum scripts/llama_patches.py | cut -d' ' -f1 > "$src/.edgerun-patches"
+    echo "$patches" > "$src/.edgerun-patches"
   fi
   rm -f "$tools_dir/.stamp"
   # shellcheck disable=SC2086  # cmake_args is a list of -D flags without spaces
