@@ -9,7 +9,9 @@ import openai
 import pytest
 from openai import OpenAI
 
+from edgerun.runner import Runner
 from edgerun.serve import tools as toolcalls
+from edgerun.settings import EngineSettings
 from testkit import serve
 
 PERSON = {
@@ -110,6 +112,29 @@ def test_the_call_parser_streams_content_and_calls(step):
         assert streamed == call["arguments"]
     plain, calls = _parse_stream("a < b and <tool", step)  # a partial tag is content once the reply ends
     assert "".join(e.text for e in plain) == "a < b and <tool" and calls == []
+
+
+def test_auto_tools_leave_the_reply_free_until_the_tag_then_admit_only_a_call(tiny_model):
+    """tool_choice auto: llama.cpp's lazy grammar, triggered by the tag written out piece by piece."""
+    with Runner(tiny_model, EngineSettings(n_ctx=256, n_threads=1, gpu_layers="0")) as runner:
+        model = runner.model
+        grammar = toolcalls.tool_constraint([WEATHER, TIME], "auto").start(runner.ctx.address)
+
+        def token(ch):
+            (t,) = model.tokenize(ch, add_special=False, parse_special=False)
+            return t
+
+        def write(text):
+            for ch in text:
+                assert grammar.allows(token(ch)), (text, ch)
+                grammar.accept(token(ch))
+
+        write("Let me check that for you; no JSON here: x}]. " * 8 + "<tool_call>\n")
+        assert not grammar.allows(token("x")) and grammar.allows(token("{"))
+        write('{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
+        assert grammar.allows(model.eos)
+        required = toolcalls.tool_constraint([WEATHER, TIME], "required").start(runner.ctx.address)
+        assert not required.allows(token("L")) and required.allows(token("<"))
 
 
 @pytest.fixture(scope="module")
