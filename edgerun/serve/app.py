@@ -164,7 +164,7 @@ async def _complete(state: ServerState, request: Request, *, chat: bool) -> Resp
         raise APIError(400, f"model '{req.model}' is not served here; this server has '{state.names[0]}'"
                        " (GET /v1/models)", param="model", code="model_not_found")
     runner = scheduler.runner
-    constraint, tools = await _constraint(req, runner) if chat else (None, None)
+    grammar, tools = await _constraint(req, runner) if chat else (None, None)
     try:
         if chat:
             messages = [m.for_template() for m in req.messages]
@@ -183,7 +183,7 @@ async def _complete(state: ServerState, request: Request, *, chat: bool) -> Resp
     events: asyncio.Queue = asyncio.Queue()
     mailbox = state.mailbox(asyncio.get_running_loop())
     job = Job(prompt, req.sampling(), req.limit or runner.ctx.n_ctx, req.stop,
-              sink=lambda event: mailbox.post(events, event), constraint=constraint)
+              sink=lambda event: mailbox.post(events, event), grammar=grammar)
     try:
         scheduler.submit(job)
     except Overloaded as exc:
@@ -196,8 +196,9 @@ async def _complete(state: ServerState, request: Request, *, chat: bool) -> Resp
 
 
 async def _constraint(req: ChatRequest, runner):
-    """The reply's grammar (tools or response_format) and the tools for the template; a schema or
-    grammar that cannot work is a 400 before the request is queued."""
+    """The reply's grammar state (tools or response_format; None: free) and the tools for the
+    template. llama.cpp's parse on this model's vocabulary happens here, so a schema or grammar that
+    cannot work is a 400 before the request is queued, and the job decodes under this state."""
     tools = [t.for_template() for t in req.tools] if req.tools and req.tool_choice != "none" else None
     param = "tools" if tools else "response_format"
     if tools and not toolcalls.supports_tools(runner.model.info.chat_template):
@@ -208,11 +209,10 @@ async def _constraint(req: ChatRequest, runner):
             constraint = toolcalls.tool_constraint(tools, req.tool_choice, req.parallel_tool_calls)
         else:
             constraint = toolcalls.response_constraint(req.response_format)
-        if constraint is not None:  # llama.cpp's own parse, on this model's vocabulary
-            await anyio.to_thread.run_sync(constraint.start, runner.ctx.address)
+        grammar = None if constraint is None else await anyio.to_thread.run_sync(constraint.start, runner.ctx.address)
     except EdgerunError as exc:
         raise APIError(400, str(exc), param=param, code="invalid_value") from None
-    return constraint, tools
+    return grammar, tools
 
 
 async def _events(job: Job, events: asyncio.Queue) -> AsyncIterator[Delta | Done | Failed]:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field, replace
 
 from edgerun import _native
 from edgerun.decode import governor
-from edgerun.decode.constrain import Constraint
 from edgerun.decode.generate import Prefill, Step, generate, native_errors, native_params, native_rng
 from edgerun.decode.speculative import Round
 from edgerun.errors import EdgerunError, EngineError
@@ -82,6 +81,9 @@ class Job:
     sink: Callable[[Event], None]
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+    # the grammar the reply must match (tools, response_format), fresh at submission; then its
+    # state after every token the reply has so far
+    grammar: _native.Grammar | None = None
     # the engine's side
     seq: int = -1
     last: int | None = None  # the newest pick, not yet in the KV: set once the prompt is in
@@ -91,8 +93,6 @@ class Job:
     text: ReplyText | None = None
     rng: _native.Rng | None = None
     params: _native.SamplerParams | None = None
-    constraint: Constraint | None = None  # a grammar the reply must match (tools, response_format)
-    grammar: _native.Grammar | None = None  # its state, after every token the reply has so far
 
 
 class Scheduler:
@@ -200,7 +200,6 @@ class Scheduler:
         job.seq, job.cached = seq, reuse
         job.text = ReplyText(self.model, job.stop, max(1, min(job.max_tokens, room)))
         job.params, job.rng = native_params(job.sampling), native_rng(job.sampling.seed)
-        job.grammar = job.constraint.start(ctx.address) if job.constraint is not None else None
         del self._idle[seq]
 
     def _end_cancelled(self) -> None:
