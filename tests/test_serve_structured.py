@@ -46,8 +46,8 @@ def tiny(tiny_model):
 
 def _ask(client, content, **kw):
     model = client.models.list().data[0].id
-    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
-                                          **{"temperature": 0, "max_tokens": 120} | kw)
+    return client.chat.completions.create(model=model, **{"messages": [{"role": "user", "content": content}],
+                                                          "temperature": 0, "max_tokens": 120} | kw)
 
 
 def test_json_schema_replies_validate_whole_and_streamed(tiny):
@@ -81,6 +81,8 @@ def test_json_object_replies_are_objects(tiny):
     ({"response_format": {"type": "yaml"}}, "yaml"),
     ({"tools": [WEATHER]}, "tool-call format"),  # the tiny model's template renders no tools
     ({"tool_choice": "required"}, "needs tools"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "must be JSON text"),
 ])
 def test_bad_schemas_and_tool_requests_are_400(tiny, kw, needle):
     with pytest.raises(openai.BadRequestError) as caught:

@@ -44,6 +44,15 @@ class FunctionCall(_Strict):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, text: str) -> str:
+        try:
+            json.loads(text)
+        except ValueError:
+            raise ValueError(f"a tool call's arguments must be JSON text, not {text[:40]!r}") from None
+        return text
+
 
 class ToolCall(_Strict):
     id: str = ""
@@ -69,17 +78,10 @@ class Message(_Strict):
         if self.tool_calls:
             # templates (Qwen2.5's) write the arguments with tojson: they want the object, not its text
             out["tool_calls"] = [{"type": "function", "id": c.id, "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
         return out
-
-
-def _arguments(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        raise ValueError(f"a tool call's arguments must be JSON text, not {text[:40]!r}") from None
 
 
 class Function(_Strict):
