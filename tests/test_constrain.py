@@ -125,6 +125,22 @@ def test_the_masked_distribution_is_the_chain_restricted_to_the_grammar(runners,
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("refused_on_top", [0, 3, 70])
+def test_the_masked_greedy_pick_is_the_best_allowed_token(runners, refused_on_top):
+    """The model's own argmax, then the best 64, then the whole vocabulary: the first allowed token
+    in logit order wherever it lies."""
+    plain = runners[0]
+    grammar, allowed, logits = _letters(plain)
+    want = allowed[len(allowed) // 2]
+    logits[want] = logits.max() + 1  # the best token overall, and then below `refused_on_top` refused ones
+    refused = np.setdiff1d(np.arange(len(logits)), allowed)[:refused_on_top]
+    logits[refused] = logits.max() + 1 + np.arange(len(refused))
+    params = _native.SamplerParams()
+    params.temperature = 0.0
+    assert grammar.masked_greedy(logits, [], params) == want
+    assert (np.argmax(logits) == want) == (refused_on_top == 0)
+
+
 def _first_tokens(grammar, logits, drafts, q, seed, broken=False):
     """The first committed token of each verify: the draft if accepted, else the correction."""
     params = _native.SamplerParams()
