@@ -249,3 +249,17 @@ def test_run_json_schema_and_grammar_flags(tiny_model, capsys, tmp_path):
     one_line_error(run_cli(capsys, *common, "--grammar", str(grammar), "x"), "does not parse")
     one_line_error(run_cli(capsys, *common, "--grammar", str(tmp_path / "none.gbnf"), "x"), "cannot read")
     one_line_error(run_cli(capsys, *common, "--grammar", str(grammar), "--json-schema", "{}", "x"), "one of")
+
+
+def test_bench_schema_on_the_tiny_model(tiny_model, tmp_path, capsys):
+    out = tmp_path / "schema.json"
+    result = run_cli(capsys, "bench", "schema", "-m", str(tiny_model), "--temps", "0,1", "-n", "12", "--repeat", "1",
+                     "--threads", "1", "--gpu-layers", "0", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out.read_text())
+    assert [r["temperature"] for r in doc["rows"]] == [0.0, 1.0]
+    assert set(doc["sides"]) == {"free T=0", "schema T=0", "free T=1", "schema T=1"}
+    for row in doc["rows"]:
+        assert row["ratio"]["min"] <= row["ratio"]["median"] <= row["ratio"]["max"]
+        assert all(r["valid"] in (True, None) for r in row["schema"])  # a finished reply validates
+    assert [c["goal"] for c in doc["claims"]] == [">= 0.9"] and "schema / free" in result.stdout

@@ -14,7 +14,8 @@ import argparse
 import json
 
 from edgerun.bench.scenario import Scenario, claim, count, interleave, register, side_lines
-from edgerun.bench.stats import ratio_spread
+from edgerun.bench.spec import _floats
+from edgerun.bench.stats import ratio_spread, spread
 
 PROMPT = ("List the planets of the solar system as JSON: for each its name, its order from the sun, whether it"
           " has rings, its number of known moons and a one-line description.")
@@ -30,12 +31,6 @@ SCHEMA = {
         "required": ["name", "order", "rings", "moons", "description"]}}},
     "required": ["planets"],
 }
-
-
-def _floats(text: str) -> list[float]:
-    from edgerun.bench.spec import _floats as parse
-
-    return parse(text)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -81,7 +76,7 @@ def measure(args: argparse.Namespace, say) -> dict:
 
             say(f"temperature {temp}")
             values = interleave({"free": side("free", False), "schema": side("schema", True)}, args.repeat, say)
-            sides |= {f"{name} T={temp:g}": _spread(v) for name, v in values.items()}
+            sides |= {f"{name} T={temp:g}": spread(v) for name, v in values.items()}
             rows.append({"temperature": temp, "ratio": ratio_spread(values["free"], values["schema"]),
                          "free": replies["free"], "schema": replies["schema"]})
     settings = {"model": args.model, "max_tokens": args.max_tokens, "repeat": args.repeat, "temps": args.temps,
@@ -104,12 +99,6 @@ def _valid(schema: dict, text: str, finish: str | None) -> bool | None:
         return True
     except (ValueError, jsonschema.ValidationError):
         return False
-
-
-def _spread(values: list[float]) -> dict:
-    import statistics
-
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def report(doc: dict) -> str:
