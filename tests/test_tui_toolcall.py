@@ -33,6 +33,17 @@ async def test_a_tool_call_is_a_block_while_it_streams_and_after(streamed):
             assert "tool call: get_weather" in shown and '"city": "Paris"' in shown
 
 
+async def test_parallel_calls_are_each_a_block():
+    two = CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
+    app = _One()
+    async with app.run_test(size=(80, 40)) as pilot:
+        view = app.query_one(Transcript)
+        view.changed(view.add(Entry("assistant", two, status="done")))
+        await pilot.pause()
+        shown = _text(view)
+        assert "tool call: get_weather" in shown and "tool call: get_time" in shown and '"tz": "CET"' in shown
+
+
 def test_the_call_view_reads_name_and_arguments():
     assert tool_call_view('\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>') == ("f", '{\n  "a": 1\n}')
     assert tool_call_view('\n{"name": "f", "argu') == ("", '{"name": "f", "argu')

@@ -23,6 +23,8 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widgets import TextArea
 
+from edgerun.serve.tools import CLOSE, OPEN
+
 # a fenced code block at the start of a line; an unclosed one (still streaming) runs to the end
 FENCE = re.compile(r"^[ \t]*(?P<mark>```+|~~~+)[ \t]*(?P<lang>[^\s`]*)[^\n]*\n(?P<code>.*?)(?:^[ \t]*(?P=mark)[ \t]*$|\Z)",
                    re.DOTALL | re.MULTILINE)
@@ -31,13 +33,10 @@ BLANK = Strip.blank(0)
 WARM_UP = 'A **reply** with `code`:\n\n```python\ndef f(x: int) -> str:\n    return f"{x}"  # note\n```\n\n1. one\n- two\n'
 
 
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-
-
 def tool_call_view(call: str) -> tuple[str, str]:
     """A <tool_call> body (the text after the tag, its closing tag maybe not yet streamed) as the
     function's name and its arguments as indented JSON; a body that is not JSON yet is shown as it is."""
-    body = call.split(TOOL_CLOSE, 1)[0].strip()
+    body = call.split(CLOSE, 1)[0].strip()
     try:
         parsed = json.loads(body)
         return str(parsed.get("name", "")), json.dumps(parsed.get("arguments", {}), indent=2, ensure_ascii=False)
@@ -297,7 +296,7 @@ class Transcript(ScrollView, can_focus=True):
         """A markdown block's lines. Blocks other than code lose the blank lines Rich puts around
         some of them (headings): the transcript puts one blank line between any two blocks."""
         theme = "monokai" if self.app.current_theme.dark else "default"
-        if TOOL_OPEN in source:
+        if OPEN in source:
             return self._tool_call_lines(source, theme, streaming)
         fence = FENCE.match(source)
         if fence:
@@ -310,14 +309,17 @@ class Transcript(ScrollView, can_focus=True):
         return lines
 
     def _tool_call_lines(self, source: str, theme: str, streaming: bool) -> list[Strip]:
-        """A block holding a model's <tool_call> (Qwen2.5's format): a header naming the function,
-        then its arguments as highlighted JSON; text before the tag stays markdown."""
-        before, _, call = source.partition(TOOL_OPEN)
+        """A block holding a model's <tool_call>s (Qwen2.5's format), one after another when it
+        calls several: each a header naming the function, then its arguments as highlighted JSON;
+        text before the first tag stays markdown."""
+        before, *calls = source.split(OPEN)
         lines = self._block_lines(before) + [BLANK] if before.strip() else []
-        name, body = tool_call_view(call)
         style = self.get_component_rich_style("transcript--role", partial=True)
-        lines.append(Strip([Segment(f"⚙ tool call: {name or '…'}", style)]))
-        return lines + self._code_lines(body, "json", theme, streaming=streaming)
+        for i, call in enumerate(calls):
+            name, body = tool_call_view(call)
+            lines += ([BLANK] if i else []) + [Strip([Segment(f"⚙ tool call: {name or '…'}", style)])]
+            lines += self._code_lines(body, "json", theme, streaming=streaming and i == len(calls) - 1)
+        return lines
 
     def _code_lines(self, code: str, lang: str, theme: str, *, streaming: bool = False) -> list[Strip]:
         """A fenced code block drawn as Rich's Syntax draws it (a padded panel across the view,
