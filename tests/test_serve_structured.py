@@ -137,6 +137,10 @@ def test_auto_tools_leave_the_reply_free_until_the_tag_then_admit_only_a_call(ti
         assert grammar.allows(model.eos)
         required = toolcalls.tool_constraint([WEATHER, TIME], "required").start(runner.ctx.address)
         assert not required.allows(token("L")) and required.allows(token("<"))
+    # a parameter's literal that reads like the converter's root rule stays a literal
+    odd = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"enum": ["root ::= x"]}}, "required": ["a"]}}}
+    assert '"\\"root ::= x\\""' in toolcalls.tool_constraint([odd], "required").gbnf
 
 
 @pytest.fixture(scope="module")

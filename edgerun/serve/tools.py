@@ -10,6 +10,7 @@ CallParser turns the reply's text back into content and OpenAI tool calls, as it
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -47,8 +48,9 @@ def tool_constraint(tools: list[dict], choice, parallel: bool = True) -> Constra
               "required": ["name", "arguments"]} for name, fn in by_name.items()]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     body = constrain.json_schema(schema, "a tool's parameters").gbnf
-    # the converter's root is one call's JSON; the reply is one call or more, each in its tags
-    body = body.replace("root ::= ", "call-json ::= ", 1)
+    # the converter's root is one call's JSON; the reply is one call or more, each in its tags (the
+    # rule's line renamed: a literal may hold the same text, but never at a line's start)
+    body = re.sub(r"^root ::= ", "call-json ::= ", body, count=1, flags=re.MULTILINE)
     many = ' ("\\n" call)*' if parallel and not isinstance(choice, dict) else ""
     gbnf = (f'root ::= call{many}\ncall ::= "{OPEN}\\n" call-json "\\n{CLOSE}"\n' + body)
     lazy = choice == "auto" or choice is None
