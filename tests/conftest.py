@@ -6,6 +6,7 @@ runs the fast tier alone."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,13 @@ from edgerun.models import catalog, fetch
 # their counts instead.
 settings.register_profile("edgerun", deadline=None)
 settings.load_profile("edgerun")
+
+# A suite started in the background of a non-interactive shell (`scripts/test.sh > log &`, nohup)
+# inherits SIGINT ignored, so Python installs no KeyboardInterrupt handler, and every process a test
+# starts inherits the same. The tests of Ctrl-C deliver it as a terminal does: put Python's handler
+# back (the processes the tests start then get SIGINT's default action, and so Python's handler too).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 DRAFT = "qwen2.5-coder-0.5b"
 TARGET = "qwen2.5-coder-1.5b"
