@@ -79,6 +79,14 @@ def available() -> str:
     return "built in (GGML_RPC=ON)" + ("" if binding.patched else "; without edgerun's patch: run scripts/setup.sh")
 
 
+def _patched() -> _Lib:
+    binding = lib()
+    if not binding.patched:
+        raise ConfigError("this llama.cpp build lacks the RPC backend or edgerun's patch to it (without it a lost"
+                          " server aborts the client, and a server's --mem does nothing): run scripts/setup.sh")
+    return binding
+
+
 @dataclass(frozen=True)
 class Endpoint:
     host: str
@@ -123,10 +131,7 @@ class RemoteDevice:
 def connect(endpoints: tuple[Endpoint, ...], *, timeout_s: float) -> list[RemoteDevice]:
     """Register each server with ggml and list its devices. A server that is down, or does not
     answer ggml's handshake, is one ConfigError naming it, before anything loads."""
-    binding = lib()
-    if not binding.patched:
-        raise ConfigError("this llama.cpp build lacks the RPC backend or edgerun's patch to it (a lost server"
-                          " would abort the process): run scripts/setup.sh")
+    binding = _patched()
     # read by the patched client at every connect: a silent server fails its request after this long
     os.environ["EDGERUN_RPC_TIMEOUT_S"] = str(max(1, round(timeout_s)))
     found = []
@@ -223,9 +228,7 @@ def start_server(endpoint: Endpoint, *, threads: int, mem_bytes: int | None, cac
                  devices: list[int]) -> threading.Thread:
     """ggml's RPC server on a daemon thread (it serves until the process ends). The memory cap is
     read by the patched server from the environment, so set it first."""
-    binding = lib()
-    if not binding.patched:
-        raise ConfigError("this llama.cpp build lacks the RPC backend or edgerun's patch to it: run scripts/setup.sh")
+    binding = _patched()
     if mem_bytes:
         os.environ["EDGERUN_RPC_MEM_BYTES"] = str(mem_bytes)
     arr = (ctypes.c_void_p * len(devices))(*devices)
