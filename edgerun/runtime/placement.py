@@ -30,6 +30,11 @@ class Footprint:
         return len(self.layer_bytes)
 
     @property
+    def body_compute(self) -> int:
+        """Scratch of a device that holds blocks but not the head."""
+        return self.compute_bytes if self.body_compute_bytes is None else self.body_compute_bytes
+
+    @property
     def head_on_cpu(self) -> int:
         """The head's bytes when it stays in host memory (a tied head shares the embeddings)."""
         return self.output_bytes - (self.input_bytes if self.tied_head else 0)
@@ -263,7 +268,7 @@ def plan_devices(fp: Footprint, places: list[Place], *, free_ram: int) -> Device
 def _deal(fp: Footprint, places: list[Place], head_on: int) -> tuple[list[int], int]:
     """Blocks per place (fastest first, equal speeds by free memory) and the blocks left for the CPU."""
     per_block = max(fp.layer_bytes, default=0) + fp.kv_per_layer
-    body = fp.compute_bytes if fp.body_compute_bytes is None else fp.body_compute_bytes
+    body = fp.body_compute
     room = [0 if i > head_on else max(0, p.free - p.margin - (fp.compute_bytes + fp.output_bytes if i == head_on
                                                              else body)) // max(per_block, 1)
             for i, p in enumerate(places)]
@@ -288,7 +293,7 @@ def _deal(fp: Footprint, places: list[Place], head_on: int) -> tuple[list[int], 
 
 def _shares(fp: Footprint, places: list[Place], blocks: list[int], left: int, free_ram: int) -> DeviceSplit:
     last = max((i for i, n in enumerate(blocks) if n), default=-1)
-    body = fp.compute_bytes if fp.body_compute_bytes is None else fp.body_compute_bytes
+    body = fp.body_compute
     shares = []
     start = left  # llama.cpp: the first blocks stay on the CPU, the rest go out in device order
     for i, p in enumerate(places):
