@@ -73,3 +73,33 @@ def test_llama_cpps_debug_lines_reach_python_only_when_asked_for(small_model, mo
     finally:
         log.setLevel(level)
         llama_log.install()
+
+
+def test_token_pieces_are_right_when_threads_ask_at_once(tiny_model):
+    """The server's engine thread turns tokens into text while request threads render prompts
+    (which ask for the BOS/EOS pieces): each call gets its own token's bytes. One shared result
+    buffer let a request's '<|endoftext|>' overwrite the engine's ' o' between llama.cpp writing
+    it and Python reading it, and a reply began with '<|'."""
+    import threading
+
+    from edgerun.runtime.engine import Model
+
+    with Model(tiny_model) as reference:
+        want = {(t, s): reference.piece(t, special=s) for t in range(reference.n_vocab) for s in (False, True)}
+    wrong: list[tuple[int, bool, bytes]] = []
+    with Model(tiny_model) as model:
+        start = threading.Barrier(4)
+
+        def ask(special: bool, step: int) -> None:
+            start.wait()
+            for _ in range(20):
+                for t in range(0, model.n_vocab)[::step]:
+                    if (got := model.piece(t, special=special)) != want[t, special]:
+                        wrong.append((t, special, got))
+
+        threads = [threading.Thread(target=ask, args=(s, d)) for s in (False, True) for d in (1, -1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not wrong, wrong[:5]

@@ -49,7 +49,10 @@ class Model:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.ptr)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
-        self._piece = ctypes.create_string_buffer(256)
+        # token -> bytes, per `special`: a vocabulary never changes, and the server asks from
+        # several threads at once (the engine's replies, request threads' BOS/EOS), so no call
+        # may share a result buffer with another
+        self._pieces: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})
 
     def close(self) -> None:
         if self.ptr:
@@ -99,12 +102,15 @@ class Model:
 
     def piece(self, token: int, *, special: bool = False) -> bytes:
         """The bytes of one token (may be part of a UTF-8 character)."""
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, self._piece, len(self._piece), 0, special)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
+        known = self._pieces[special]
+        if (data := known.get(token)) is None:
+            buf = ctypes.create_string_buffer(64)
             n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-            return buf.raw[:n]
-        return self._piece.raw[:n]
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+            data = known[token] = buf.raw[:n]
+        return data
 
 
 class Batch:
