@@ -279,11 +279,15 @@ async def _stream(reply: "_Reply", job: Job, events: asyncio.Queue, include_usag
             if calls is not None:
                 for part in calls.finish():
                     yield json.dumps(reply.call_chunk(part))
-            finish = "tool_calls" if calls is not None and calls.calls and event.finish == "stop" else event.finish
-            yield json.dumps(reply.chunk(finish=finish))
+            yield json.dumps(reply.chunk(finish=_finish_reason(event, calls is not None and bool(calls.calls))))
             if include_usage:
                 yield json.dumps(reply.usage_chunk(event))
     yield "[DONE]"
+
+
+def _finish_reason(done: Done, called: bool) -> str:
+    """OpenAI's: a reply that ended on its own after calling tools finished with "tool_calls"."""
+    return "tool_calls" if called and done.finish == "stop" else done.finish
 
 
 class _Reply:
@@ -313,8 +317,7 @@ class _Reply:
             if calls:
                 message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
                     "name": c["name"], "arguments": c["arguments"]}} for c in calls]
-            finish = "tool_calls" if calls and done.finish == "stop" else done.finish
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(done, bool(calls))}
         elif self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": done.finish}
