@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="list (default), clear (remove all), rm NAME... (remove some)")
     p.add_argument("names", nargs="*", metavar="NAME", help="for rm: names from `edgerun cache`")
 
-    p = sub.add_parser("rm", help="delete a downloaded model")
+    p = sub.add_parser("rm", help="delete a downloaded or converted model")
     p.add_argument("model")
 
     p = sub.add_parser("doctor", help="backend, hardware, models, and the offload plan")

@@ -407,7 +407,13 @@ def cmd_list(args) -> int:
 
 
 def cmd_rm(args) -> int:
-    entry = catalog.load().get(args.model)
+    from edgerun.models import local
+
+    known = catalog.load()
+    if known.find(args.model) is None and (converted := local.remove(args.model)) is not None:
+        _err(f"removed {converted.name} ({converted.path})")
+        return 0
+    entry = known.get(args.model)
     if fetch.remove(entry):
         _err(f"removed {entry.name}")
     else:

@@ -160,6 +160,23 @@ def test_pull_and_rm_of_unknown_names(cli):
     one_line_error(cli("pull", "no-such-model"), "no-such-model")
 
 
+def test_rm_of_a_converted_model_forgets_it_and_deletes_its_files(cli, tiny_model, edgerun_home, tmp_path):
+    import shutil
+
+    from edgerun.models import local
+
+    gguf, report = tmp_path / "mine.gguf", tmp_path / "mine.report.json"
+    shutil.copy(tiny_model, gguf)
+    report.write_text("{}")
+    local.register("mine", gguf, origin="test", report={}, report_path=report)
+    local.register("other", tiny_model, origin="test", report={})
+    gone = cli("rm", "mine")
+    assert gone.returncode == 0 and "removed mine" in gone.stderr
+    assert not gguf.exists() and not report.exists()
+    assert [m.name for m in local.load()] == ["other"] and tiny_model.exists()
+    one_line_error(cli("rm", "mine"), "mine")
+
+
 def test_chat_plain_keeps_history_and_exits_on_eof(small_model):
     proc = edgerun("chat", "--plain", str(small_model), "--temp", "0", "-n", "24",
                    input="My name is Ada. Reply with OK.\nWhat is my name? Answer with one word.\n")

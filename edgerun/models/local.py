@@ -99,6 +99,21 @@ def register(name: str, gguf: Path, *, origin: str, report: dict, report_path: P
     return model
 
 
+def remove(name: str) -> LocalModel | None:
+    """Forget NAME and delete the files it names (the GGUF, its report and plot); None when no
+    converted model has that name."""
+    with _locked():
+        models = _read()
+        gone = next((m for m in models if m.name == name), None)
+        if gone is None:
+            return None
+        _write([m for m in models if m.name != name])
+    for path in (gone.path, gone.report_path, gone.plot_path):
+        if path:
+            Path(path).unlink(missing_ok=True)
+    return gone
+
+
 def _read() -> list[LocalModel]:
     path = registry_path()
     try:
