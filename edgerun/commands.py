@@ -410,8 +410,10 @@ def cmd_rm(args) -> int:
     from edgerun.models import local
 
     known = catalog.load()
-    if known.find(args.model) is None and (converted := local.remove(args.model)) is not None:
-        _err(f"removed {converted.name} ({converted.path})")
+    if known.find(args.model) is None and (removed := local.remove(args.model)) is not None:
+        model, kept = removed
+        _err(f"removed {model.name}" + (f"; kept {', '.join(map(str, kept))} (outside edgerun's folders:"
+                                         " yours to delete)" if kept else ""))
         return 0
     entry = known.get(args.model)
     if fetch.remove(entry):

@@ -160,21 +160,29 @@ def test_pull_and_rm_of_unknown_names(cli):
     one_line_error(cli("pull", "no-such-model"), "no-such-model")
 
 
-def test_rm_of_a_converted_model_forgets_it_and_deletes_its_files(cli, tiny_model, edgerun_home, tmp_path):
+def test_rm_of_a_converted_model_forgets_it_and_deletes_only_edgeruns_files(cli, tiny_model, edgerun_home, tmp_path):
     import shutil
 
+    from edgerun import paths
     from edgerun.models import local
 
-    gguf, report = tmp_path / "mine.gguf", tmp_path / "mine.report.json"
+    paths.models_dir().mkdir(parents=True)
+    paths.data_dir().mkdir(parents=True)
+    gguf, report = paths.models_dir() / "mine.gguf", paths.data_dir() / "mine.report.json"
     shutil.copy(tiny_model, gguf)
     report.write_text("{}")
+    elsewhere = tmp_path / "chosen-by-o.gguf"
+    shutil.copy(tiny_model, elsewhere)
     local.register("mine", gguf, origin="test", report={}, report_path=report)
-    local.register("other", tiny_model, origin="test", report={})
+    local.register("theirs", elsewhere, origin="test", report={})
     gone = cli("rm", "mine")
-    assert gone.returncode == 0 and "removed mine" in gone.stderr
+    assert gone.returncode == 0 and "removed mine" in gone.stderr and "kept" not in gone.stderr
     assert not gguf.exists() and not report.exists()
-    assert [m.name for m in local.load()] == ["other"] and tiny_model.exists()
+    assert [m.name for m in local.load()] == ["theirs"]
     one_line_error(cli("rm", "mine"), "mine")
+    forgotten = cli("rm", "theirs")
+    assert forgotten.returncode == 0 and f"kept {elsewhere}" in forgotten.stderr
+    assert elsewhere.exists() and local.load() == []
 
 
 def test_chat_plain_keeps_history_and_exits_on_eof(small_model):

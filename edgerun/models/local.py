@@ -99,19 +99,24 @@ def register(name: str, gguf: Path, *, origin: str, report: dict, report_path: P
     return model
 
 
-def remove(name: str) -> LocalModel | None:
-    """Forget NAME and delete the files it names (the GGUF, its report and plot); None when no
-    converted model has that name."""
+def remove(name: str) -> tuple[LocalModel, list[Path]] | None:
+    """Forget NAME and delete the files it names (the GGUF, its report and plot) that lie inside
+    edgerun's own folders; returns the model and the files kept because they lie elsewhere (a
+    convert's -o chose them: the user's), or None when no converted model has that name."""
     with _locked():
         models = _read()
         gone = next((m for m in models if m.name == name), None)
         if gone is None:
             return None
         _write([m for m in models if m.name != name])
-    for path in (gone.path, gone.report_path, gone.plot_path):
-        if path:
-            Path(path).unlink(missing_ok=True)
-    return gone
+    ours = [d.resolve() for d in (paths.models_dir(), paths.data_dir(), paths.cache_dir())]
+    kept = []
+    for path in (Path(p) for p in (gone.path, gone.report_path, gone.plot_path) if p):
+        if any(path.resolve().is_relative_to(d) for d in ours):
+            path.unlink(missing_ok=True)
+        elif path.exists():
+            kept.append(path)
+    return gone, kept
 
 
 def _read() -> list[LocalModel]:
