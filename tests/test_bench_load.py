@@ -25,6 +25,9 @@ BATCHED_BENCH = servers.CHECKOUT_BIN / "llama-batched-bench"
 needs_llama_server = pytest.mark.skipif(not os.access(LLAMA_SERVER, os.X_OK),
                                         reason="llama-server is built by EDGERUN_LLAMA_BENCH=1 scripts/setup.sh")
 CLI_TIMEOUT_S = 300  # a bound on a hung run, never a speed assertion
+# the tiny model on one thread: its step is a fraction of a millisecond, so two threads meeting at
+# llama.cpp's barriers beside the other tests' load cost far more than they share
+THREADS = 1
 
 
 def outcome(sent: float, chunks: list[float], tokens: int, error: str | None = None) -> loadgen.Outcome:
@@ -124,7 +127,7 @@ def test_a_dead_server_a_bad_url_and_a_foreign_server_are_one_line(not_openai):
 
 @pytest.fixture(scope="module")
 def llama_server(tiny_model, tmp_path_factory):
-    server = servers.start_llama_server(str(LLAMA_SERVER), tiny_model, threads=2, ctx=1024, parallel=2,
+    server = servers.start_llama_server(str(LLAMA_SERVER), tiny_model, threads=THREADS, ctx=1024, parallel=2,
                                         log=tmp_path_factory.mktemp("llama-server") / "log")
     yield server
     server.close()
@@ -183,7 +186,7 @@ def test_the_serve_scenario_on_llama_server_alone_stops_it(tiny_model, tmp_path)
     out = tmp_path / "serve.json"
     before = {p.pid for p in _servers_of(tiny_model)}  # the module's own llama-server, if it runs
     proc = _bench("serve", "-m", str(tiny_model), "--sides", "llama-server", "--concurrency", "1,2", "--requests",
-                  "2", "-n", "8", "--repeat", "2", "--threads", "2", "--ctx", "512", "--no-run", "--json", str(out))
+                  "2", "-n", "8", "--repeat", "2", "--threads", str(THREADS), "--ctx", "512", "--no-run", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     turns = doc["servers"]["llama-server"]["turns"]
@@ -206,7 +209,7 @@ def test_a_server_that_cannot_start_is_one_error_naming_its_last_line(tmp_path):
 @pytest.mark.skipif(not os.access(BATCHED_BENCH, os.X_OK),
                     reason="llama-batched-bench is built by EDGERUN_LLAMA_BENCH=1 scripts/setup.sh")
 def test_llama_batched_bench_gives_a_rate_per_batch_size(tiny_model):
-    got = servers.llama_batched_bench(str(BATCHED_BENCH), tiny_model, threads=2, batches=[1, 2], prompt=16, gen=8)
+    got = servers.llama_batched_bench(str(BATCHED_BENCH), tiny_model, threads=THREADS, batches=[1, 2], prompt=16, gen=8)
     assert sorted(got) == [1, 2] and all(v > 0 for v in got.values())
 
 
@@ -215,7 +218,7 @@ def test_the_serve_scenario_measures_both_servers_and_stops_them(tiny_model, tmp
     out = tmp_path / "serve.json"
     before = {p.pid for p in _servers_of(tiny_model)}
     proc = _bench("serve", "-m", str(tiny_model), "--concurrency", "1,2", "--requests", "2", "-n", "8", "--repeat",
-                  "2", "--threads", "2", "--ctx", "1024", "--long-prompts", "200", "--long-streams", "1",
+                  "2", "--threads", str(THREADS), "--ctx", "1024", "--long-prompts", "200", "--long-streams", "1",
                   "--long-count", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
