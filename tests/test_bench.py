@@ -311,7 +311,7 @@ def test_convert_scenario_on_a_tiny_checkpoint(tmp_path, capsys):
     src = write_tiny_checkpoint(tmp_path / "hf", "qwen2")
     doc, proc = _scenario_doc(capsys, tmp_path, "convert", "--src", str(src), "--work", str(tmp_path / "work"),
                               "--eval-chunks", "1", "--calib-chunks", "1", "--no-weigh", "--no-prose",
-                              "--decode-tokens", "4", "--decode-repeat", "1")
+                              "--decode-tokens", "4", "--decode-repeat", "1", "--threads", "1")
     plans = {f"edgerun @{f} (code calib)" for f in ("Q3_K_M", "Q2_K")} | {f"edgerun k-quants @{f}" for f in ("Q3_K_M", "Q2_K")}
     assert set(doc["results"]) == {f"stock {f}" for f in ("Q3_K_M", "Q2_K", "IQ3_XXS", "IQ2_M")} | plans
     res = doc["results"]
