@@ -53,29 +53,62 @@ class ServerState:
         return self._mailbox
 
 
-class _Mailbox:
-    """The engine thread's events to the event loop. An engine step makes one event per running
-    reply; each call_soon_threadsafe wakes the loop through its self-pipe, so the events of one
-    step share one wake-up: only the first event posted while none is pending schedules the
-    delivery, and the loop hands out everything posted until it runs."""
+PACE_S = 0.05  # while replies stream, their text leaves at most this often (see _Mailbox)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
+
+class _Mailbox:
+    """The engine thread's events to the event loop, paced.
+
+    Each call_soon_threadsafe wakes the loop through its self-pipe, and each delivered text is an
+    SSE chunk the client must parse, on the same cores as llama.cpp's threads: a wake-up and a
+    chunk per token cost a reply alone a measurable share of its speed. So a delivery hands out
+    everything posted since the last one, and after it the loop looks again only `pace` seconds
+    later (a timer, no wake-up from the engine): a fast reply's tokens leave in chunks at most
+    20 times a second. An urgent event (a reply's first text, its end, an error) wakes the loop at
+    once, so TTFT and the last token are never held back; when the engine is slower than the pace
+    the timer finds nothing and the next event wakes the loop as it comes."""
+
+    IDLE, TIMED, WOKEN = "idle", "timed", "woken"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pace: float = PACE_S):
+        self.loop, self.pace = loop, pace
         self._lock = threading.Lock()
         self._pending: list[tuple[asyncio.Queue, object]] = []
+        self._state = self.IDLE
+        self._timer: asyncio.TimerHandle | None = None
 
-    def post(self, queue: asyncio.Queue, event) -> None:
+    def post(self, queue: asyncio.Queue, event, *, urgent: bool = True) -> None:
         with self._lock:
             self._pending.append((queue, event))
-            if len(self._pending) > 1:
+            if self._state == self.WOKEN or (self._state == self.TIMED and not urgent):
                 return
+            self._state = self.WOKEN
         self.loop.call_soon_threadsafe(self._deliver)
 
     def _deliver(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
+            self._state = self.TIMED if pending else self.IDLE
         for queue, event in pending:
             queue.put_nowait(event)
+        if pending and self._timer is None:
+            self._timer = self.loop.call_later(self.pace, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._deliver()
+
+
+class _Sink:
+    """A job's events into the mailbox: its first text and its end are urgent, the rest paced."""
+
+    def __init__(self, mailbox: _Mailbox, queue: asyncio.Queue):
+        self.mailbox, self.queue, self.started = mailbox, queue, False
+
+    def __call__(self, event) -> None:
+        urgent = not (self.started and isinstance(event, Delta))
+        self.started = self.started or isinstance(event, Delta)
+        self.mailbox.post(self.queue, event, urgent=urgent)
 
 
 def create_app(state: ServerState, lifespan=None) -> Starlette:
@@ -183,7 +216,7 @@ async def _complete(state: ServerState, request: Request, *, chat: bool) -> Resp
     events: asyncio.Queue = asyncio.Queue()
     mailbox = state.mailbox(asyncio.get_running_loop())
     job = Job(prompt, req.sampling(), req.limit or runner.ctx.n_ctx, req.stop,
-              sink=lambda event: mailbox.post(events, event), grammar=grammar)
+              sink=_Sink(mailbox, events), grammar=grammar)
     try:
         scheduler.submit(job)
     except Overloaded as exc:
