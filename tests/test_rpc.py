@@ -158,7 +158,7 @@ def test_the_server_refuses_a_port_in_use_and_warns_off_loopback():
 # --- a tiny model split over two servers ------------------------------------------------------
 
 def test_a_tiny_model_split_over_two_servers_replies_as_the_local_run(tiny_model, tmp_path):
-    settings = EngineSettings(n_ctx=512, gpu_layers="0")
+    settings = EngineSettings(n_ctx=512, n_threads=1, gpu_layers="0")
     with Runner(tiny_model, settings, draft="none") as local:
         want = _reply(local, "split me", 48)
     with servers(tmp_path, 2, mem_gib=0.5) as (eps, _):
@@ -179,7 +179,7 @@ def test_a_tiny_model_split_over_two_servers_replies_as_the_local_run(tiny_model
 
 
 def test_a_server_that_stops_answering_ends_the_reply_within_the_timeout(tiny_model, tmp_path):
-    settings = EngineSettings(n_ctx=512, gpu_layers="0", rpc_timeout_s=2)
+    settings = EngineSettings(n_ctx=512, n_threads=1, gpu_layers="0", rpc_timeout_s=2)
     with servers(tmp_path, 2, mem_gib=0.5) as (eps, started):
         with Runner(tiny_model, settings.replace(rpc=",".join(eps)), draft="none") as runner:
             assert len(_reply(runner, "warm", 4)) == 4
