@@ -9,11 +9,15 @@ from edgerun.errors import EdgerunError
 from edgerun.models import catalog, fetch
 from edgerun.models.gguf_check import inspect
 from edgerun.runner import placement_for, remote_devices
-from edgerun.runtime import devices, rpc
+from edgerun.runtime import devices, placement, rpc
 
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+def _rate(bytes_per_s: float | None) -> str:
+    return f"{bytes_per_s / 1e9:.1f} GB/s" if bytes_per_s else "? (not measured)"
 
 
 def report(model: str, rpc_spec: str = "") -> str:
@@ -41,8 +45,16 @@ def report(model: str, rpc_spec: str = "") -> str:
         return "\n".join(lines)
     engine = settings.EngineSettings(rpc=rpc_spec)
     remote = remote_devices(engine)
+    if remote:
+        from edgerun.runtime import devspeed
+
+        here = devspeed.local_cpu_bytes_per_s()
+        lines.append(f"this CPU streams weights at {_rate(here)} (a quantized matrix-vector product, as a decode step)")
     for d in remote:
-        lines.append(f"rpc device {d.name} at {d.endpoint}: {_gib(d.free)} free of {_gib(d.total)}")
+        slow = (" (not clearly faster than this CPU: it adds memory, not speed)"
+                if d.speed and here and d.speed < here / placement.SPEED_CLASS else "")
+        lines.append(f"rpc device {d.name} at {d.endpoint}: {_gib(d.free)} free of {_gib(d.total)},"
+                     f" streams weights at {_rate(d.speed)}{slow}")
     draft_name = catalog.load().find(model).draft if catalog.load().find(model) else None
     draft_info = None
     if draft_name and gpu and fetch.is_present(catalog.load().get(draft_name)):

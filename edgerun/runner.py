@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 import time
 from collections.abc import Iterator
@@ -44,8 +46,12 @@ def footprint(info: GGUFInfo, settings: EngineSettings) -> placement.Footprint:
 
 
 def remote_devices(settings: EngineSettings) -> list[rpc.RemoteDevice]:
-    """The devices of settings.rpc's servers, connected (a server down is one ConfigError)."""
-    return rpc.connect(rpc.parse(settings.rpc), timeout_s=settings.rpc_timeout_s) if settings.rpc else []
+    """The devices of settings.rpc's servers, connected (a server down is one ConfigError), each
+    with the speed it measured at (a probe of a few tens of milliseconds per device)."""
+    from edgerun.runtime import devspeed
+
+    found = rpc.connect(rpc.parse(settings.rpc), timeout_s=settings.rpc_timeout_s) if settings.rpc else []
+    return [dataclasses.replace(d, speed=devspeed.weight_bytes_per_s(d.handle, d.free)) for d in found]
 
 
 def placement_for(info: GGUFInfo, settings: EngineSettings, draft: GGUFInfo | None = None,
@@ -58,7 +64,9 @@ def placement_for(info: GGUFInfo, settings: EngineSettings, draft: GGUFInfo | No
     mem = memory or devices.memory()
     if settings.rpc:
         remote = remote_devices(settings) if remote is None else remote
-        places = [placement.Place(f"{d.name} ({d.endpoint})", d.free, margin=placement.REMOTE_MARGIN) for d in remote]
+        ranks = placement.speed_classes([d.speed for d in remote])
+        places = [placement.Place(f"{d.name} ({d.endpoint})", d.free, speed=rank, margin=placement.REMOTE_MARGIN)
+                  for d, rank in zip(remote, ranks)]
         vram = mem.free_vram if settings.max_vram is None else min(mem.free_vram, settings.max_vram)
         return placement.plan_remote(footprint(info, settings), footprint(draft, settings) if draft else None, places,
                                      free_vram=vram, free_ram=mem.free_ram, gpu_available=mem.gpu)

@@ -72,6 +72,24 @@ def test_faster_devices_fill_first_and_the_cpu_takes_what_fits_nowhere():
     assert split.cpu_bytes >= 9 * 110 * MiB + fp.input_bytes
 
 
+def test_measured_speeds_rank_devices_alike_together_and_a_slow_one_after():
+    gb = 1e9
+    # two servers alike, measured with noise, share a rank; a remote CPU ten times slower ranks after
+    assert placement.speed_classes([20 * gb, 14 * gb, 1.5 * gb]) == [1.0, 1.0, 1.5 / 20]
+    assert placement.speed_classes([None, 3 * gb]) == [1.0, 1.0]  # unmeasured: as the fastest
+    assert placement.speed_classes([None, None]) == [1.0, 1.0]
+    fp = _fp()
+    ranks = placement.speed_classes([1.5 * gb, 20 * gb])
+    places = [placement.Place("remote cpu", 10_000 * MiB, speed=ranks[0], margin=0),
+              placement.Place("remote gpu", 130 + 450 * MiB, speed=ranks[1], margin=0)]
+    split = placement.plan_devices(fp, places, free_ram=64 * 2**30)
+    assert [s.blocks for s in split.shares] == [7, 3]  # the GPU as full as its room allows, the CPU the rest
+    even = placement.speed_classes([1.5 * gb, 2 * gb])
+    places = [placement.Place("a", 2000 * MiB, speed=even[0], margin=0),
+              placement.Place("b", 1000 * MiB, speed=even[1], margin=0)]
+    assert [s.blocks for s in placement.plan_devices(fp, places, free_ram=64 * 2**30).shares] == [7, 3]
+
+
 @given(st.lists(st.tuples(st.integers(0, 3000), st.sampled_from([1.0, 4.0])), min_size=1, max_size=4),
        st.integers(1, 40))
 def test_a_device_plan_places_every_block_once_and_never_past_a_place_s_room(places, n):
@@ -165,6 +183,7 @@ def test_a_tiny_model_split_over_two_servers_replies_as_the_local_run(tiny_model
         with Runner(tiny_model, settings.replace(rpc=",".join(eps)), draft="none") as remote:
             assert [s.blocks for s in remote.plan.devices.shares] == [1, 1]  # equal servers: one block each
             assert remote.plan.devices.cpu_blocks == 0
+            assert all(d.speed and d.speed > 0 for d in remote.remote)  # each device's probe ran on it
             held = _used(remote)
             assert all(n > 0 for n in held), held  # each server holds its share (weights and KV)
             sent_before = rpc.traffic()[0]
@@ -175,6 +194,7 @@ def test_a_tiny_model_split_over_two_servers_replies_as_the_local_run(tiny_model
         text = doctor.report(str(tiny_model), ",".join(eps))  # the plan as `edgerun doctor --rpc` shows it
         assert "RPC backend: built in (GGML_RPC=ON)" in text
         assert sum(f"at {ep}:" in text for ep in eps) == 2
+        assert text.count("streams weights at") == 3 and "? (not measured)" not in text  # this CPU and each device
         assert f"0/2 layers on the local CPU" in text and f"({eps[1]}) + head" in text
 
 

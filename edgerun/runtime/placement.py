@@ -313,6 +313,23 @@ def _shares(fp: Footprint, places: list[Place], blocks: list[int], left: int, fr
 
 
 LOCAL_GPU_SPEED = 4.0  # a local GPU ranks before remote devices: no network hop, and the head's logits stay here
+SPEED_CLASS = 0.5  # remote devices within 2x of the fastest of their class rank as equally fast
+
+
+def speed_classes(speeds: list[float | None]) -> list[float]:
+    """Ranks for plan_devices from measured speeds (weight bytes per second; None: not measured),
+    1.0 for the fastest class. A device at least SPEED_CLASS of its class's fastest shares its
+    rank, so devices alike but measured with noise still share blocks in proportion to memory,
+    while a remote CPU beside a remote GPU (ten times slower or more) gets blocks only when the
+    GPU is full. An unmeasured device ranks with the fastest (as if nothing were known)."""
+    known = sorted((s for s in speeds if s), reverse=True)
+    if not known:
+        return [1.0] * len(speeds)
+    heads = []
+    for s in known:
+        if not heads or s < SPEED_CLASS * heads[-1]:
+            heads.append(s)
+    return [1.0 if not s else next(h for h in heads if s >= SPEED_CLASS * h) / known[0] for s in speeds]
 REMOTE_MARGIN = 128 << 20  # a server reports free memory after its runtime started; fragmentation only
 
 

@@ -126,6 +126,7 @@ class RemoteDevice:
     free: int
     total: int
     handle: int  # ggml_backend_dev_t
+    speed: float | None = None  # weight bytes per second it streams (runtime/devspeed.py), once measured
 
 
 def connect(endpoints: tuple[Endpoint, ...], *, timeout_s: float) -> list[RemoteDevice]:
