@@ -1,6 +1,9 @@
-"""Role gains: the pure parts (role names, probe types, weighing) without a model."""
+"""Role gains: the pure parts (role names, probe types, weighing), and the probes' files and
+scoring on the tiny model."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +42,74 @@ def test_weigh_scales_each_role_and_keeps_the_order_within_it():
 def test_weigh_refuses_a_role_without_a_gain():
     with pytest.raises(ConvertError, match="no measured gain for output.weight"):
         gains.weigh([cost("output.weight", {"Q2_K": 0.1})], {"attn_k.weight": 1.0})
+
+
+# -- probes on the tiny model: splice and the reference's scoring window ------------------------
+
+def _weights(path) -> list[str]:
+    import gguf
+
+    return [t.name for t in gguf.GGUFReader(str(path)).tensors if t.name.endswith("weight") and len(t.shape) == 2]
+
+
+def test_splice_writes_the_file_the_quantizer_writes_for_those_overrides(tiny_model, tmp_path):
+    """Two quantizes with one recipe, one of them with every weight at Q4_0: the first with the
+    second's attn_v and head spliced in is, byte for byte, llama.cpp's quantize with just those
+    overridden (what a probe used to cost a quantize of its own)."""
+    from edgerun.convert.quantize import quantize
+
+    names = _weights(tiny_model)
+    base = quantize(tiny_model, tmp_path / "base.gguf", ftype="Q8_0", overrides={}, imatrix=None)
+    cheap = quantize(tiny_model, tmp_path / "cheap.gguf", ftype="Q8_0", overrides=dict.fromkeys(names, "Q4_0"),
+                     imatrix=None)
+    pick = {n for n in names if ".attn_v." in n or n == "output.weight"}
+    assert len(pick) == 3
+    direct = quantize(tiny_model, tmp_path / "direct.gguf", ftype="Q8_0", overrides=dict.fromkeys(pick, "Q4_0"),
+                      imatrix=None)
+    spliced = gains.splice(base, cheap, pick, tmp_path / "spliced.gguf")
+    assert spliced.read_bytes() == direct.read_bytes()
+    assert spliced.read_bytes() != base.read_bytes()
+
+
+def test_a_probe_is_the_f16_with_one_role_from_the_cheap_file(tiny_model, tmp_path):
+    """The F16 (another tensor order, other metadata) with one role spliced in: that role's
+    tensors have the cheap file's type and bytes, every other tensor the F16's, and llama.cpp
+    loads and runs it: its KLD from the F16 is above zero, the F16's own is zero."""
+    import gguf
+
+    from edgerun.convert.quantize import quantize
+    from edgerun.convert.report import Reference
+
+    names = _weights(tiny_model)
+    cheap = quantize(tiny_model, tmp_path / "cheap.gguf", ftype="Q8_0", overrides=dict.fromkeys(names, "Q4_0"),
+                     imatrix=None)
+    role = {n for n in names if gains.role_of(n) == "ffn_down.weight"}
+    probe = gains.splice(tiny_model, cheap, role, tmp_path / "probe.gguf")
+    f16 = {t.name: t for t in gguf.GGUFReader(str(tiny_model)).tensors}
+    q = {t.name: t for t in gguf.GGUFReader(str(cheap)).tensors}
+    got = gguf.GGUFReader(str(probe)).tensors
+    assert [t.name for t in got] == list(f16)
+    for t in got:
+        src = q[t.name] if t.name in role else f16[t.name]
+        assert (t.tensor_type, bytes(t.data)) == (src.tensor_type, bytes(src.data)), t.name
+    text = (Path(__file__).resolve().parents[1] / "edgerun" / "data" / "calib" / "code.txt").read_text()[:6000]
+    ref = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=2)
+    assert ref.compare(tiny_model).kld_mean == 0.0
+    assert ref.compare(probe).kld_mean > 0.0
+
+
+def test_reference_scores_from_its_first_position(tiny_model):
+    from edgerun.convert.report import Reference
+
+    text = (Path(__file__).resolve().parents[1] / "edgerun" / "data" / "calib" / "code.txt").read_text()[:6000]
+    default = Reference(tiny_model, text, n_ctx=128, max_chunks=2, n_threads=2).compare(tiny_model)
+    early = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=2).compare(tiny_model)
+    assert (default.n_positions, early.n_positions) == (2 * (127 - 64), 2 * (127 - 16))
+    with pytest.raises(ConvertError, match="first scored position 127"):
+        Reference(tiny_model, text, n_ctx=128, max_chunks=1, first=127)
+
+
+def test_splice_refuses_tensors_one_file_lacks(tiny_model, tmp_path):
+    with pytest.raises(ConvertError, match="no tensor 'blk.9.attn_q.weight'"):
+        gains.splice(tiny_model, tiny_model, {"blk.9.attn_q.weight"}, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()

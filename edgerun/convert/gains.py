@@ -3,20 +3,25 @@
 Sensitivity gives every tensor's noise-to-signal ratio per type; those ratios are comparable
 within a role but not across roles: noise in the output head lands in the logits as it is, noise
 in a key projection is diluted by the softmax and the residual stream. So for each role (attn_q,
-ffn_down, output, token_embd, ...) one probe model is quantized: that role's tensors at their
-cheapest candidate type, everything else at a near-lossless base. Its mean KL divergence from the
-F16 model on calibration text, less the base's own, divided by the role's summed relative error,
-is the role's gain: KLD per unit of relative error. The planner then minimizes predicted KLD,
-sum(gain[role(t)] * error[t]), which is what the report measures.
+ffn_down, output, token_embd, ...) one probe model is made: that role's tensors at their cheapest
+candidate type, everything else as in the F16. Its mean KL divergence from the F16 model on
+calibration text, divided by the role's summed relative error, is the role's gain: KLD per unit
+of relative error. The planner then minimizes predicted KLD, sum(gain[role(t)] * error[t]), which
+is what the report measures.
 
-The probes cost one quantize and one short evaluation each (about 10 for a transformer), so the
-result is cached with the other intermediates."""
+llama.cpp quantizes each tensor on its own (its data depends on the tensor, its type and its
+importance alone), so one quantize serves every probe: every tensor at its probe type, and each
+probe is the F16 file with one role's tensors spliced in from it (splice()). A probe then costs
+one evaluation of one calibration chunk against the F16's logits, computed once, scored from
+position PROBE_FIRST on (about 10 probes for a transformer); the result is cached with the other
+intermediates."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import re
+import struct
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -26,8 +31,12 @@ from edgerun.errors import ConvertError
 
 Progress = Callable[[str, int, int], None]
 
-PROBE_BASE = "Q8_0"  # everything outside the probed role: about 1e-3 KLD, and half F16's bytes to read
-PROBE_CHUNKS = 2  # calibration chunks each probe is evaluated on
+PROBE_FTYPE = "Q8_0"  # the probe quantize's recipe: every tensor is overridden, this only labels the file
+PROBE_CHUNKS = 1  # calibration chunks each probe is evaluated on
+# first scored position of a probe's chunk: 447 of 512 positions scored, where the report's
+# n_ctx/2 would score 255 (a gain is a ratio of KLDs on the same positions; it needs many
+# positions, not long contexts)
+PROBE_FIRST = 64
 MIN_GAIN_SHARE = 0.01  # a role whose probe moved KLD by less than noise gets this share of the median gain
 
 _LAYER = re.compile(r"^blk\.\d+\.")
@@ -44,7 +53,7 @@ def probe_type(cost: TensorCost) -> str:
 
 
 def measure(f16: Path, costs: Sequence[TensorCost], text: str, *, work: Path, imatrix, n_ctx: int = 512,
-            chunks: int = PROBE_CHUNKS, n_threads: int | None = None,
+            chunks: int = PROBE_CHUNKS, first: int = PROBE_FIRST, n_threads: int | None = None,
             progress: Progress | None = None) -> dict[str, float]:
     """Each role's gain (see the module docstring). `costs` must be relative (noise-to-signal)."""
     from edgerun.convert.quantize import quantize
@@ -52,29 +61,66 @@ def measure(f16: Path, costs: Sequence[TensorCost], text: str, *, work: Path, im
     roles: dict[str, list[TensorCost]] = {}
     for c in costs:
         roles.setdefault(role_of(c.name), []).append(c)
-    reference = Reference(f16, text, n_ctx=n_ctx, max_chunks=chunks, n_threads=n_threads)
-    work.mkdir(parents=True, exist_ok=True)
-    probe = work / "probe.gguf"
-    steps = len(roles) + 1
-    kld: dict[str | None, float] = {}
-    try:
-        for i, role in enumerate([None, *sorted(roles)]):
-            if progress:
-                progress("weigh roles", i, steps)
-            overrides = {c.name: probe_type(c) for c in roles[role]} if role else {}
-            quantize(f16, probe, ftype=PROBE_BASE, overrides=overrides, imatrix=imatrix, n_threads=n_threads)
-            kld[role] = reference.compare(probe).kld_mean
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            probe.unlink()
+    steps = len(roles) + 2
     if progress:
-        progress("weigh roles", steps, steps)
-    base = kld.pop(None)
-    raw = {role: (kld[role] - base) / max(sum(c.errors[probe_type(c)] for c in roles[role]), 1e-30)
-           for role in roles}
+        progress("weigh roles", 0, steps)
+    work.mkdir(parents=True, exist_ok=True)
+    cheap, probe = work / "cheap.gguf", work / "probe.gguf"
+    kld: dict[str, float] = {}
+    try:
+        quantize(f16, cheap, ftype=PROBE_FTYPE, overrides={c.name: probe_type(c) for c in costs}, imatrix=imatrix,
+                 n_threads=n_threads)
+        if progress:
+            progress("weigh roles", 1, steps)
+        reference = Reference(f16, text, n_ctx=n_ctx, max_chunks=chunks, first=first, n_threads=n_threads)
+        if progress:
+            progress("weigh roles", 2, steps)
+        for i, role in enumerate(sorted(roles)):
+            splice(f16, cheap, {c.name for c in roles[role]}, probe)
+            kld[role] = reference.compare(probe).kld_mean
+            if progress:
+                progress("weigh roles", 3 + i, steps)
+    finally:
+        for path in (cheap, probe):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    raw = {role: kld[role] / max(sum(c.errors[probe_type(c)] for c in roles[role]), 1e-30) for role in roles}
     positive = sorted(g for g in raw.values() if g > 0)
     floor = MIN_GAIN_SHARE * positive[len(positive) // 2] if positive else 1.0
     return {role: max(g, floor) for role, g in raw.items()}
+
+
+def splice(base: Path, other: Path, names: set[str], dst: Path) -> Path:
+    """DST: the GGUF BASE with its tensors NAMES taken from OTHER, another file of the same model
+    (e.g. its quantize): BASE's metadata and tensor order, each tensor's info with its type and
+    new offset, its data at BASE's alignment. Where BASE and OTHER are two quantizes with one
+    recipe, that is byte for byte the file the quantizer writes with NAMES overridden to OTHER's
+    types. A scratch file (not fsynced)."""
+    import gguf
+
+    a, b = gguf.GGUFReader(str(base)), gguf.GGUFReader(str(other))
+    theirs = {t.name: t for t in b.tensors if t.name in names}
+    if theirs.keys() != names or any(names - {t.name for t in a.tensors}):
+        missing = sorted(names - (theirs.keys() & {t.name for t in a.tensors}))
+        raise ConvertError(f"{base} or {other} has no tensor {missing[0]!r}; delete the convert cache and run again")
+    chosen = [(b, theirs[t.name]) if t.name in names else (a, t) for t in a.tensors]
+    if any(list(t.shape) != list(u.shape) for (_, t), u in zip(chosen, a.tensors)):
+        raise ConvertError(f"{base} and {other} are not files of one model; delete the convert cache and run again")
+    pad = lambda n: -n % a.alignment  # noqa: E731
+    infos, offset = [], 0
+    for _, t in chosen:
+        name_len, name, n_dims, dims, ttype = (bytes(part) for part in t.field.parts[:5])
+        infos.append(name_len + name + n_dims + dims + ttype + struct.pack("<Q", offset))
+        offset += int(t.n_bytes) + pad(int(t.n_bytes))
+    with open(dst, "wb") as f:
+        f.write(bytes(a.data[:a.tensors[0].field.offset]))  # header and metadata, as BASE has them
+        for info in infos:
+            f.write(info)
+        f.write(bytes(pad(f.tell())))
+        for reader, t in chosen:
+            f.write(memoryview(reader.data[t.data_offset:t.data_offset + int(t.n_bytes)]))
+            f.write(bytes(pad(int(t.n_bytes))))
+    return dst
 
 
 def weigh(costs: Sequence[TensorCost], gains: dict[str, float]) -> list[TensorCost]:

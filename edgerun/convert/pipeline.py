@@ -306,7 +306,8 @@ def cached_gains(f16: Path, imatrix, imatrix_key: str, costs: Sequence[TensorCos
     """Each tensor role's measured KLD per unit of relative error, computed once per input. The
     probes use the base types only: a gain is a property of the role, and probing with the
     i-quants' extremes would change the measurement, not the role."""
-    key = _key("gains", _file_id(f16), imatrix_key, list(opts.types), opts.max_rows, opts.n_ctx, gains.PROBE_CHUNKS)
+    key = _key("gains", _file_id(f16), imatrix_key, list(opts.types), opts.max_rows, opts.n_ctx, gains.PROBE_CHUNKS,
+               gains.PROBE_FIRST)
     path = work / f"gains-{key}.json"
     if path.is_file():
         if progress:

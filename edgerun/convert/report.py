@@ -82,16 +82,20 @@ def evaluate_many(ref_gguf: Path, quant_ggufs: Sequence[Path], text: str, *, n_c
 
 class Reference:
     """The reference model's logits on a text, computed once, then compared with quantizations one
-    at a time (only one quantized model is loaded at once). Holds chunks x n_ctx/2 x n_vocab
-    floats: meant for a few chunks (about 150 MB each for a 152K vocabulary)."""
+    at a time (only one quantized model is loaded at once). Holds chunks x scored positions x
+    n_vocab floats: meant for a few chunks (about 150 MB per 256 positions of a 152K vocabulary).
+    `first`: the first scored position of each chunk (default n_ctx/2, as evaluate() scores);
+    an earlier one scores more of each chunk's tokens, with less context behind the first few."""
 
     def __init__(self, ref_gguf: Path, text: str, *, n_ctx: int = 512, max_chunks: int | None = None,
-                 n_threads: int | None = None):
+                 n_threads: int | None = None, first: int | None = None):
         from edgerun.runtime.engine import Context, Model
         from edgerun.settings import EngineSettings
 
         self.engine = EngineSettings().replace(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=n_threads)
-        self.first = n_ctx // 2
+        self.first = n_ctx // 2 if first is None else first
+        if not 0 <= self.first < n_ctx - 1:
+            raise ConvertError(f"the first scored position {self.first} is outside a chunk of {n_ctx} tokens")
         with Model(ref_gguf) as ref, Context(ref, self.engine) as ctx:
             self.n_vocab = ref.n_vocab
             self.chunks = _chunks(ref, text, n_ctx, max_chunks)
