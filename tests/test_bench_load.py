@@ -19,12 +19,12 @@ import pytest
 
 from edgerun.bench import load, loadgen, servers
 from edgerun.errors import ConfigError, EdgerunError
+from testkit.cli import run_cli
 
 LLAMA_SERVER = servers.CHECKOUT_BIN / "llama-server"
 BATCHED_BENCH = servers.CHECKOUT_BIN / "llama-batched-bench"
 needs_llama_server = pytest.mark.skipif(not os.access(LLAMA_SERVER, os.X_OK),
                                         reason="llama-server is built by EDGERUN_LLAMA_BENCH=1 scripts/setup.sh")
-CLI_TIMEOUT_S = 300  # a bound on a hung run, never a speed assertion
 # the tiny model on one thread: its step is a fraction of a millisecond, so two threads meeting at
 # llama.cpp's barriers beside the other tests' load cost far more than they share
 THREADS = 1
@@ -88,9 +88,10 @@ def test_urls_and_tools():
 # -- one line for a server that is not there -------------------------------------------------------
 
 
-def _bench(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edgerun.cli", "bench", *argv], capture_output=True, text=True,
-                          timeout=CLI_TIMEOUT_S)
+def _bench(capsys, *argv: str):
+    """`edgerun bench ARGV` in this process (testkit.cli): the servers it starts are its children
+    as they would be the command's."""
+    return run_cli(capsys, "bench", *argv)
 
 
 class _NotOpenAI(http.server.BaseHTTPRequestHandler):
@@ -112,11 +113,11 @@ def not_openai():
     httpd.server_close()
 
 
-def test_a_dead_server_a_bad_url_and_a_foreign_server_are_one_line(not_openai):
+def test_a_dead_server_a_bad_url_and_a_foreign_server_are_one_line(not_openai, capsys):
     dead = f"http://127.0.0.1:{servers.free_port()}"
     for url, words in ((dead, "no OpenAI-compatible server answers at"), ("localhost:8080", "--url takes"),
                        (not_openai, "answered 404; is this an OpenAI-compatible server?")):
-        proc = _bench("load", "--url", url, "--concurrency", "1")
+        proc = _bench(capsys, "load", "--url", url, "--concurrency", "1")
         assert proc.returncode != 0 and "Traceback" not in proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and words in lines[0], proc.stderr
@@ -157,9 +158,9 @@ def test_long_prompts_are_about_the_asked_length_by_the_servers_count(llama_serv
 
 
 @needs_llama_server
-def test_the_cli_writes_every_level_and_a_plot(llama_server, tmp_path):
+def test_the_cli_writes_every_level_and_a_plot(llama_server, tmp_path, capsys):
     out, png = tmp_path / "load.json", tmp_path / "load.png"
-    proc = _bench("load", "--url", llama_server.url, "--concurrency", "1,2", "--requests", "3", "-n", "8",
+    proc = _bench(capsys, "load", "--url", llama_server.url, "--concurrency", "1,2", "--requests", "3", "-n", "8",
                   "--long-prompts", "200", "--long-streams", "1", "--long-count", "1", "--json", str(out),
                   "--plot", str(png))
     assert proc.returncode == 0, proc.stderr
@@ -182,10 +183,10 @@ def _servers_of(model: Path) -> list[psutil.Process]:
 
 
 @needs_llama_server
-def test_the_serve_scenario_on_llama_server_alone_stops_it(tiny_model, tmp_path):
+def test_the_serve_scenario_on_llama_server_alone_stops_it(tiny_model, tmp_path, capsys):
     out = tmp_path / "serve.json"
     before = {p.pid for p in _servers_of(tiny_model)}  # the module's own llama-server, if it runs
-    proc = _bench("serve", "-m", str(tiny_model), "--sides", "llama-server", "--concurrency", "1,2", "--requests",
+    proc = _bench(capsys, "serve", "-m", str(tiny_model), "--sides", "llama-server", "--concurrency", "1,2", "--requests",
                   "2", "-n", "8", "--repeat", "2", "--threads", str(THREADS), "--ctx", "512", "--no-run", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
@@ -214,10 +215,10 @@ def test_llama_batched_bench_gives_a_rate_per_batch_size(tiny_model):
 
 
 @needs_llama_server
-def test_the_serve_scenario_measures_both_servers_and_stops_them(tiny_model, tmp_path):
+def test_the_serve_scenario_measures_both_servers_and_stops_them(tiny_model, tmp_path, capsys):
     out = tmp_path / "serve.json"
     before = {p.pid for p in _servers_of(tiny_model)}
-    proc = _bench("serve", "-m", str(tiny_model), "--concurrency", "1,2", "--requests", "2", "-n", "8", "--repeat",
+    proc = _bench(capsys, "serve", "-m", str(tiny_model), "--concurrency", "1,2", "--requests", "2", "-n", "8", "--repeat",
                   "2", "--threads", str(THREADS), "--ctx", "1024", "--long-prompts", "200", "--long-streams", "1",
                   "--long-count", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
@@ -236,9 +237,9 @@ def test_the_serve_scenario_measures_both_servers_and_stops_them(tiny_model, tmp
     (["--gpu-layers", "lots"], "--gpu-layers takes a layer count, all or 0"),
     (["--shape", "0.5b"], "give -m or --shape, not both"),
 ])
-def test_the_serve_scenario_refuses_bad_placement_flags_before_starting(tiny_model, argv, says):
+def test_the_serve_scenario_refuses_bad_placement_flags_before_starting(tiny_model, argv, says, capsys):
     before = {p.pid for p in _servers_of(tiny_model)}
-    proc = _bench("serve", "-m", str(tiny_model), "--sides", "edgerun serve", *argv)
+    proc = _bench(capsys, "serve", "-m", str(tiny_model), "--sides", "edgerun serve", *argv)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr
     assert not {p.pid for p in _servers_of(tiny_model)} - before
 
