@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -326,6 +327,40 @@ def test_convert_scenario_on_a_tiny_checkpoint(tmp_path, capsys):
         [res[f"edgerun @{f} (code calib)"]["kld_mean"] / res[f"stock {best[f]}"]["kld_mean"] for f in ("Q3_K_M", "Q2_K")]
         + [res[f"edgerun k-quants @{f}"]["kld_mean"] / res[f"stock {f}"]["kld_mean"] for f in ("Q3_K_M", "Q2_K")])
     assert "mean KLD" in proc.stdout and doc["convert"] is None
+
+
+@pytest.mark.slow
+def test_convert_speed_against_another_checkout_on_a_tiny_checkpoint(tmp_path, capsys):
+    """--speed-against DIR: a copy of this checkout whose pipeline names its plan step apart, so
+    the reference side is seen running the copy's code; each side converts from an empty cache
+    in a child process. The same pipeline gives the same file, so the KLD ratio is exactly 1."""
+    import shutil
+
+    from testkit.tiny import write_tiny_checkpoint
+
+    root = Path(__file__).resolve().parents[1]
+    ref = tmp_path / "ref"
+    shutil.copytree(root / "edgerun", ref / "edgerun", ignore=shutil.ignore_patterns("__pycache__"))
+    pipeline_py = ref / "edgerun" / "convert" / "pipeline.py"
+    pipeline_py.write_text(pipeline_py.read_text().replace('clock("plan")', 'clock("plan in the copy")'))
+    src = write_tiny_checkpoint(tmp_path / "hf", "qwen2")
+    doc, proc = _scenario_doc(capsys, tmp_path, "convert", "--src", str(src), "--work", str(tmp_path / "work"),
+                              "--eval-chunks", "1", "--threads", "1", "--speed-against", str(ref), "--size-of", "Q8_0")
+    (name_ref, old), (name_new, new) = doc["sides"].items()
+    assert name_new == "this tree" and doc["settings"]["reference_commit"] in name_ref
+    assert "plan in the copy" in old["steps_s"] and "plan" in new["steps_s"]
+    assert {"source", "calibrate", "sensitivity", "weigh", "quantize"} <= set(old["steps_s"]) & set(new["steps_s"])
+    assert Path(old["output"]).read_bytes() == Path(new["output"]).read_bytes()
+    assert old["size_bytes"] <= doc["settings"]["size_bytes"]
+    assert [c["median"] for c in doc["claims"]] == [new["wall_s"] / old["wall_s"], 1.0]
+    assert "mean KLD" in proc.stdout and "plan in the copy" in proc.stdout
+
+
+def test_convert_speed_against_refuses_what_is_no_checkout(tmp_path, capsys):
+    proc = run_cli(capsys, "bench", "convert", "--src", str(tmp_path), "--work", str(tmp_path / "w"),
+                   "--speed-against", "no-such-revision-xyz")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "not a directory nor a git revision" in proc.stderr.strip().splitlines()[-1]
 
 
 # -- the command on real models ----------------------------------------------------------------

@@ -15,14 +15,24 @@ Intermediates are cached under --work, so a re-run resumes.
 
 Claims: at both sizes the plan's mean KLD is at most 0.6 of the best stock recipe's that is no
 larger (k- or i-quant), and the k-quants-only plan's at most 0.85 of the stock k-quant recipe's.
+
+With --speed-against REV (a git revision, checked out as a worktree under --work, or a directory
+holding a checkout) the scenario measures instead how much faster this tree converts than REV:
+`edgerun convert SRC --size S` from scratch (a fresh cache each, S the size of llama.cpp's stock
+Q3_K_M of SRC, or --size-of's recipe; no quality report), REV's code and then this tree's, one after the other in one
+run, each side's wall time and its steps; then both outputs' mean KLD against the F16 in one
+evaluation. Claims: wall time this tree / REV <= 0.35, mean KLD this tree / REV <= 1.05.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
+import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -53,6 +63,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="plan on raw relative errors (no per-role KLD probes), as edgerun convert --no-weigh")
     p.add_argument("--decode-tokens", type=int, default=64, help="greedy tokens per decode-speed turn (0 skips it)")
     p.add_argument("--decode-repeat", type=count, default=4, help="ABBA turns of the decode-speed measurement")
+    p.add_argument("--speed-against", metavar="REV|DIR", default=None,
+                   help="instead: time a whole `edgerun convert` of SRC at stock Q3_K_M's size as of git revision REV"
+                   " (or the checkout in DIR) and as this tree, one after the other, and compare the outputs' mean KLD"
+                   " (goal: wall time <= 0.35x, KLD <= 1.05x)")
+    p.add_argument("--size-of", metavar="RECIPE", default="Q3_K_M",
+                   help="with --speed-against: convert to the size of this stock recipe of SRC (default Q3_K_M)")
 
 
 def _timed_convert(src: str, work: Path, env: dict, threads: int | None) -> dict:
@@ -140,8 +156,8 @@ def decode_speed(paths: dict[str, Path], *, tokens: int, repeat: int, threads: i
 
 
 def measure(args: argparse.Namespace, say) -> dict:
-    import os
-
+    if args.speed_against:
+        return measure_speed(args, say)
     from edgerun.convert import pipeline, report
     from edgerun.convert.progress import Bar
     from edgerun.convert.source import prepare_f16
@@ -177,6 +193,121 @@ def measure(args: argparse.Namespace, say) -> dict:
     return {"settings": settings, "convert": timing, "results": results, "claims": _claims(results)}
 
 
+# How a side runs another checkout's edgerun: without the editable install's finder (it maps
+# every `edgerun` module to this tree), with the checkout first on the path and this build's
+# native extension (its folder added to the package's path).
+_IN_TREE = ("import sys; tree, ext = sys.argv.pop(1), sys.argv.pop(1); "
+            "sys.meta_path[:] = [f for f in sys.meta_path if 'edgerun' not in getattr(f, 'known_source_files', {})]; "
+            "sys.path.insert(0, tree); import edgerun; edgerun.__path__.append(ext); "
+            "from edgerun.cli import main; sys.exit(main(sys.argv[1:]))")
+SPEED_GOAL, KLD_GOAL = 0.35, 1.05
+
+
+def reference_tree(rev: str, work: Path) -> tuple[Path, str]:
+    """(a checkout of REV, its commit): REV itself when it is a directory, else a git worktree of
+    this repository under WORK (reused while it is at REV; `git worktree remove` drops it). The
+    checkout runs with this build's native extension."""
+    root = Path(__file__).resolve().parents[2]
+    git = lambda *a, cwd=root: subprocess.run(["git", "-C", str(cwd), *a], capture_output=True, text=True)  # noqa: E731
+    if Path(rev).is_dir():
+        tree = Path(rev).resolve()
+    else:
+        want = git("rev-parse", "--verify", f"{rev}^{{commit}}")
+        if want.returncode != 0:
+            raise EdgerunError(f"--speed-against {rev}: not a directory nor a git revision of {root}")
+        tree = work / f"tree-{want.stdout.strip()[:12]}"
+        if not (tree / "edgerun" / "cli.py").is_file():
+            added = git("worktree", "add", "--detach", str(tree), want.stdout.strip())
+            if added.returncode != 0:
+                raise EdgerunError(f"git worktree add {tree} {rev} failed: {added.stderr.strip()}")
+    if not (tree / "edgerun" / "cli.py").is_file():
+        raise EdgerunError(f"{tree} holds no edgerun checkout (edgerun/cli.py)")
+    head = git("rev-parse", "--short=12", "HEAD", cwd=tree)
+    return tree, head.stdout.strip() if head.returncode == 0 else str(tree)
+
+
+def _convert_side(src: str, size: int, side: Path, tree: Path | None, threads: int | None) -> dict:
+    """One `edgerun convert` from scratch (its own empty cache) in a child process: wall time,
+    the report's steps, the load average before and after. TREE: run that checkout's code."""
+    shutil.rmtree(side, ignore_errors=True)
+    side.mkdir(parents=True)
+    out, rep = side / "out.gguf", side / "report.json"
+    args = ["convert", src, "-o", str(out), "--size", str(size), "--calib", "code", "--eval-chunks", "0",
+            "--report", str(rep)] + (["--threads", str(threads)] if threads else [])
+    if tree:
+        ext = Path(importlib.util.find_spec("edgerun._native_ext").origin).parent
+        cmd = [sys.executable, "-c", _IN_TREE, str(tree), str(ext), *args]
+    else:
+        cmd = [sys.executable, "-m", "edgerun.cli", *args]
+    env = {**os.environ, "EDGERUN_HOME": str(side / "home")}
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        raise EdgerunError(f"edgerun convert ({tree or 'this tree'}) failed: {lines[-1] if lines else proc.returncode}")
+    doc = json.loads(rep.read_text())
+    return {"wall_s": round(wall, 1), "steps_s": doc["timings_s"], "size_bytes": doc["size_bytes"],
+            "load_avg_1m": [round(load, 2), round(os.getloadavg()[0], 2)], "output": str(out)}
+
+
+def measure_speed(args: argparse.Namespace, say) -> dict:
+    from edgerun.bench.scenario import commit
+    from edgerun.convert import pipeline, report
+    from edgerun.convert.progress import Bar
+    from edgerun.convert.quantize import quantize
+    from edgerun.convert.source import prepare_f16
+
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    tree, rev = reference_tree(args.speed_against, work)
+    bar = Bar()
+    try:
+        f16 = Path(prepare_f16(args.src, work / "f16", progress=bar))
+        stock = work / f"stock-{args.size_of}.gguf"
+        if not stock.is_file():
+            quantize(f16, stock, ftype=args.size_of, overrides={}, imatrix=None, n_threads=args.threads, progress=bar)
+    finally:
+        bar.close()
+    size = stock.stat().st_size
+    sides = {}
+    for name, side_tree in ((f"at {rev}", tree), ("this tree", None)):
+        sides[name] = _convert_side(args.src, size, work / ("reference" if side_tree else "this"), side_tree,
+                                    args.threads)
+        say(f"{name}: {sides[name]['wall_s']:.0f} s, steps {sides[name]['steps_s']}")
+    bar = Bar()
+    try:
+        qualities = report.evaluate_many(f16, [Path(s["output"]) for s in sides.values()],
+                                         pipeline.EVAL_TEXT.read_text(encoding="utf-8"), max_chunks=args.eval_chunks,
+                                         n_threads=args.threads, progress=bar)
+    finally:
+        bar.close()
+    for side, q in zip(sides.values(), qualities):
+        side.update(kld_mean=q.kld_mean, kld_p99=q.kld_p99, top1_agreement=q.top1_agreement, ppl=q.ppl,
+                    ppl_ref=q.ppl_ref)
+    old, new = sides.values()
+    settings = {"src": args.src, "speed_against": args.speed_against, "reference_commit": rev,
+                "this_commit": commit(), "size_of": args.size_of, "size_bytes": size, "eval_chunks": args.eval_chunks, "threads": args.threads}
+    claims = [claim(f"edgerun convert wall time, this tree / {rev}", new["wall_s"] / old["wall_s"], f"<= {SPEED_GOAL}"),
+              claim(f"mean KLD of the output, this tree / {rev}", new["kld_mean"] / old["kld_mean"], f"<= {KLD_GOAL}")]
+    return {"settings": settings, "sides": sides, "claims": claims}
+
+
+def report_speed(doc: dict) -> str:
+    sides = doc["sides"]
+    steps = list(dict.fromkeys(k for s in sides.values() for k in s["steps_s"]))
+    rows = [["step (s)", *sides]]
+    rows += [[step, *(f"{s['steps_s'][step]:.1f}" if step in s["steps_s"] else "-" for s in sides.values())]
+             for step in steps]
+    rows.append(["wall", *(f"{s['wall_s']:.1f}" for s in sides.values())])
+    rows.append(["load (start, end)", *(f"{s['load_avg_1m'][0]:.1f}, {s['load_avg_1m'][1]:.1f}" for s in sides.values())])
+    rows.append(["size MB", *(f"{s['size_bytes'] / 1e6:.1f}" for s in sides.values())])
+    rows.append(["mean KLD", *(f"{s['kld_mean']:.5f}" for s in sides.values())])
+    rows.append(["top-1", *(f"{s['top1_agreement']:.2%}" for s in sides.values())])
+    return "\n".join(align(rows))
+
+
 def type_counts(tensors: dict) -> dict[str, int]:
     """How many tensors of each type a file holds (the plan at a glance)."""
     return dict(Counter(t["type"] for t in tensors.values()).most_common())
@@ -204,6 +335,8 @@ def _claims(results: dict) -> list[dict]:
 
 
 def report(doc: dict) -> str:
+    if "sides" in doc:
+        return report_speed(doc)
     rows = [["", "size MB", "bpw", "mean KLD", "KLD p99", "top-1", "ppl", "ppl F16", "decode tok/s"]]
     for name, r in doc["results"].items():
         speed = r.get("decode_tok_s")
