@@ -75,8 +75,9 @@ def measure(f16: Path, costs: Sequence[TensorCost], text: str, *, work: Path, im
         reference = Reference(f16, text, n_ctx=n_ctx, max_chunks=chunks, first=first, n_threads=n_threads)
         if progress:
             progress("weigh roles", 2, steps)
+        splicer = Splicer(f16, cheap)
         for i, role in enumerate(sorted(roles)):
-            splice(f16, cheap, {c.name for c in roles[role]}, probe)
+            splicer.write({c.name for c in roles[role]}, probe)
             kld[role] = reference.compare(probe).kld_mean
             if progress:
                 progress("weigh roles", 3 + i, steps)
@@ -91,36 +92,50 @@ def measure(f16: Path, costs: Sequence[TensorCost], text: str, *, work: Path, im
 
 
 def splice(base: Path, other: Path, names: set[str], dst: Path) -> Path:
-    """DST: the GGUF BASE with its tensors NAMES taken from OTHER, another file of the same model
-    (e.g. its quantize): BASE's metadata and tensor order, each tensor's info with its type and
-    new offset, its data at BASE's alignment. Where BASE and OTHER are two quantizes with one
-    recipe, that is byte for byte the file the quantizer writes with NAMES overridden to OTHER's
-    types. A scratch file (not fsynced)."""
-    import gguf
+    """DST: the GGUF BASE with its tensors NAMES taken from OTHER (see Splicer)."""
+    return Splicer(base, other).write(names, dst)
 
-    a, b = gguf.GGUFReader(str(base)), gguf.GGUFReader(str(other))
-    theirs = {t.name: t for t in b.tensors if t.name in names}
-    if theirs.keys() != names or any(names - {t.name for t in a.tensors}):
-        missing = sorted(names - (theirs.keys() & {t.name for t in a.tensors}))
-        raise ConvertError(f"{base} or {other} has no tensor {missing[0]!r}; delete the convert cache and run again")
-    chosen = [(b, theirs[t.name]) if t.name in names else (a, t) for t in a.tensors]
-    if any(list(t.shape) != list(u.shape) for (_, t), u in zip(chosen, a.tensors)):
-        raise ConvertError(f"{base} and {other} are not files of one model; delete the convert cache and run again")
-    pad = lambda n: -n % a.alignment  # noqa: E731
-    infos, offset = [], 0
-    for _, t in chosen:
-        name_len, name, n_dims, dims, ttype = (bytes(part) for part in t.field.parts[:5])
-        infos.append(name_len + name + n_dims + dims + ttype + struct.pack("<Q", offset))
-        offset += int(t.n_bytes) + pad(int(t.n_bytes))
-    with open(dst, "wb") as f:
-        f.write(bytes(a.data[:a.tensors[0].field.offset]))  # header and metadata, as BASE has them
-        for info in infos:
-            f.write(info)
-        f.write(bytes(pad(f.tell())))
-        for reader, t in chosen:
-            f.write(memoryview(reader.data[t.data_offset:t.data_offset + int(t.n_bytes)]))
-            f.write(bytes(pad(int(t.n_bytes))))
-    return dst
+
+class Splicer:
+    """GGUFs made of BASE with some of its tensors taken from OTHER, another file of the same
+    model (e.g. its quantize): BASE's metadata and tensor order, each tensor's info with its type
+    and new offset, its data at BASE's alignment. Where BASE and OTHER are two quantizes with one
+    recipe, that is byte for byte the file the quantizer writes with those tensors overridden to
+    OTHER's types. Both files are parsed once (gguf-py takes seconds over a 150K-token vocabulary)
+    and mapped, not read; each write is a scratch file (not fsynced)."""
+
+    def __init__(self, base: Path, other: Path):
+        import gguf
+
+        self.base, self.other = Path(base), Path(other)
+        self.a, self.b = gguf.GGUFReader(str(base)), gguf.GGUFReader(str(other))
+        self.theirs = {t.name: t for t in self.b.tensors}
+        shapes = {t.name: list(t.shape) for t in self.a.tensors}
+        if any(shapes.get(name, list(t.shape)) != list(t.shape) for name, t in self.theirs.items()):
+            raise ConvertError(f"{base} and {other} are not files of one model; delete the convert cache and run again")
+
+    def write(self, names: set[str], dst: Path) -> Path:
+        a, b = self.a, self.b
+        missing = sorted(names - (self.theirs.keys() & {t.name for t in a.tensors}))
+        if missing:
+            raise ConvertError(f"{self.base} or {self.other} has no tensor {missing[0]!r}; "
+                               "delete the convert cache and run again")
+        chosen = [(b, self.theirs[t.name]) if t.name in names else (a, t) for t in a.tensors]
+        pad = lambda n: -n % a.alignment  # noqa: E731
+        infos, offset = [], 0
+        for _, t in chosen:
+            name_len, name, n_dims, dims, ttype = (bytes(part) for part in t.field.parts[:5])
+            infos.append(name_len + name + n_dims + dims + ttype + struct.pack("<Q", offset))
+            offset += int(t.n_bytes) + pad(int(t.n_bytes))
+        with open(dst, "wb") as f:
+            f.write(bytes(a.data[:a.tensors[0].field.offset]))  # header and metadata, as BASE has them
+            for info in infos:
+                f.write(info)
+            f.write(bytes(pad(f.tell())))
+            for reader, t in chosen:
+                f.write(memoryview(reader.data[t.data_offset:t.data_offset + int(t.n_bytes)]))
+                f.write(bytes(pad(int(t.n_bytes))))
+        return Path(dst)
 
 
 def weigh(costs: Sequence[TensorCost], gains: dict[str, float]) -> list[TensorCost]:
