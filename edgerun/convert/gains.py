@@ -101,20 +101,21 @@ class Splicer:
     model (e.g. its quantize): BASE's metadata and tensor order, each tensor's info with its type
     and new offset, its data at BASE's alignment. Where BASE and OTHER are two quantizes with one
     recipe, that is byte for byte the file the quantizer writes with those tensors overridden to
-    OTHER's types. Both files are parsed once (gguf-py takes seconds over a 150K-token vocabulary)
-    and mapped, not read; each write is a scratch file (not fsynced)."""
+    OTHER's types. Both files are mapped, not read; each write is a scratch file (not fsynced)."""
 
     def __init__(self, base: Path, other: Path):
-        import gguf
+        from edgerun.convert.tensors import open_gguf
 
         self.base, self.other = Path(base), Path(other)
-        self.a, self.b = gguf.GGUFReader(str(base)), gguf.GGUFReader(str(other))
+        self.a, self.b = open_gguf(base), open_gguf(other)
         self.theirs = {t.name: t for t in self.b.tensors}
-        shapes = {t.name: list(t.shape) for t in self.a.tensors}
-        if any(shapes.get(name, list(t.shape)) != list(t.shape) for name, t in self.theirs.items()):
+        shapes = {t.name: t.shape for t in self.a.tensors}
+        if any(shapes.get(name, t.shape) != t.shape for name, t in self.theirs.items()):
             raise ConvertError(f"{base} and {other} are not files of one model; delete the convert cache and run again")
 
     def write(self, names: set[str], dst: Path) -> Path:
+        from edgerun.convert.tensors import n_bytes
+
         a, b = self.a, self.b
         missing = sorted(names - (self.theirs.keys() & {t.name for t in a.tensors}))
         if missing:
@@ -124,17 +125,18 @@ class Splicer:
         pad = lambda n: -n % a.alignment  # noqa: E731
         infos, offset = [], 0
         for _, t in chosen:
-            name_len, name, n_dims, dims, ttype = (bytes(part) for part in t.field.parts[:5])
-            infos.append(name_len + name + n_dims + dims + ttype + struct.pack("<Q", offset))
-            offset += int(t.n_bytes) + pad(int(t.n_bytes))
+            name = t.name.encode()
+            infos.append(struct.pack("<Q", len(name)) + name + struct.pack(f"<I{len(t.shape)}QIQ", len(t.shape),
+                                                                            *t.shape, int(t.tensor_type), offset))
+            offset += n_bytes(t) + pad(n_bytes(t))
         with open(dst, "wb") as f:
-            f.write(bytes(a.data[:a.tensors[0].field.offset]))  # header and metadata, as BASE has them
+            f.write(memoryview(a.data[:a.tensor_info_offset]))  # header and metadata, as BASE has them
             for info in infos:
                 f.write(info)
             f.write(bytes(pad(f.tell())))
             for reader, t in chosen:
-                f.write(memoryview(reader.data[t.data_offset:t.data_offset + int(t.n_bytes)]))
-                f.write(bytes(pad(int(t.n_bytes))))
+                f.write(memoryview(reader.data[t.data_offset:t.data_offset + n_bytes(t)]))
+                f.write(bytes(pad(n_bytes(t))))
         return Path(dst)
 
 

@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-import gguf
 
 from edgerun import paths
 from edgerun.convert import gains
@@ -334,10 +333,12 @@ class Inventory:
 
 
 def inventory_of(f16: Path, planned: set[str]) -> Inventory:
-    tensors = gguf.GGUFReader(str(f16)).tensors
-    total = sum(int(t.n_bytes) for t in tensors)
-    return Inventory(n_elements={t.name: int(t.n_elements) for t in tensors},
-                     fixed_bytes=sum(int(t.n_bytes) for t in tensors if t.name not in planned),
+    from edgerun.convert.tensors import n_bytes, n_elements, open_gguf
+
+    table = open_gguf(f16).tensors
+    total = sum(n_bytes(t) for t in table)
+    return Inventory(n_elements={t.name: n_elements(t) for t in table},
+                     fixed_bytes=sum(n_bytes(t) for t in table if t.name not in planned),
                      overhead_bytes=f16.stat().st_size - total)
 
 
@@ -389,7 +390,9 @@ def stock_types(f16: Path, ftype: str) -> dict[str, str]:
         m = _DRY_RUN_LINE.search(line)
         if m:
             types[m.group(1)] = (m.group(3) or m.group(2)).upper()
-    expected = len(gguf.GGUFReader(str(f16)).tensors)
+    from edgerun.convert.tensors import open_gguf
+
+    expected = len(open_gguf(f16).tensors)
     if rc != 0 or len(types) != expected:
         raise ConvertError(f"llama.cpp's dry run of {ftype} on {f16} reported {len(types)} of {expected} tensors; "
                            "use --size or --bpw instead")

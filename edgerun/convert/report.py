@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-import gguf
 import numpy as np
 
 from edgerun.convert.atomic import atomic_path
@@ -188,9 +187,10 @@ class TensorInfo:
 
 def describe(path: Path) -> dict[str, TensorInfo]:
     """Every tensor of a GGUF: its type, bytes and shape (GGUF order: row length first)."""
-    reader = gguf.GGUFReader(str(path))
-    return {t.name: TensorInfo(t.tensor_type.name, int(t.n_bytes), tuple(int(d) for d in t.shape))
-            for t in reader.tensors}
+    from edgerun.convert.tensors import n_bytes, open_gguf
+
+    return {t.name: TensorInfo(t.tensor_type.name, n_bytes(t), tuple(int(d) for d in t.shape))
+            for t in open_gguf(path).tensors}
 
 
 @dataclass(frozen=True)

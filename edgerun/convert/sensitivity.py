@@ -16,7 +16,9 @@ import gguf
 import numpy as np
 
 from edgerun import _native
+from edgerun.convert import tensors
 from edgerun.convert.calibrate import Imatrix
+from edgerun.convert.tensors import Tensor
 from edgerun.errors import ConvertError
 
 Progress = Callable[[str, int, int], None]
@@ -61,7 +63,7 @@ def type_nbytes(type_name: str, n_elements: int) -> int:
     return n_elements // block * nbytes
 
 
-def quantizable(tensor: gguf.ReaderTensor) -> bool:
+def quantizable(tensor) -> bool:
     """Whether llama.cpp's quantizer would quantize this tensor."""
     name = tensor.name
     if len(tensor.shape) != 2 or not name.endswith("weight"):
@@ -77,10 +79,10 @@ def sample_rows(n_rows: int, max_rows: int | None) -> np.ndarray:
     return np.unique(np.linspace(0, n_rows - 1, max_rows).round().astype(np.int64))
 
 
-def read_rows(tensor: gguf.ReaderTensor, rows: np.ndarray) -> np.ndarray:
+def read_rows(reader: tensors.Reader, tensor: Tensor, rows: np.ndarray) -> np.ndarray:
     """The chosen rows of a GGUF tensor as float32 (rows, row_len), whatever its storage type.
     The reader maps the file, so only these rows are read."""
-    data = np.asarray(tensor.data)[rows]
+    data = np.asarray(tensors.data(reader, tensor))[rows]
     if tensor.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
         return data.astype(np.float32)
     return gguf.quants.dequantize(data, tensor.tensor_type).astype(np.float32)
@@ -96,14 +98,14 @@ def importance_for(imatrix: Imatrix | None, name: str, row_len: int) -> np.ndarr
     return imp
 
 
-def tensor_cost(tensor: gguf.ReaderTensor, imatrix: Imatrix | None, types: Sequence[str], *,
+def tensor_cost(reader: tensors.Reader, tensor: Tensor, imatrix: Imatrix | None, types: Sequence[str], *,
                 max_rows: int | None, n_threads: int) -> TensorCost:
     row_len, n_rows = int(tensor.shape[0]), int(tensor.shape[1])
     if row_len == 0 or n_rows == 0:  # ggml's quantizer divides by the row length (SIGFPE at 0)
         raise ConvertError(f"{tensor.name}: an empty tensor ({row_len} x {n_rows} values) cannot be quantized; "
                            "the GGUF is malformed, convert it again from its source")
     rows = sample_rows(n_rows, max_rows)
-    w = np.ascontiguousarray(read_rows(tensor, rows))
+    w = np.ascontiguousarray(read_rows(reader, tensor, rows))
     imp = importance_for(imatrix, tensor.name, row_len)
     # The sampled rows stand for all of them. An embedding table the imatrix never saw in a
     # matmul (untied from the output) is a lookup: per token it adds the error of the one row
@@ -129,15 +131,12 @@ def measure(gguf_f16: Path, imatrix: Imatrix | None, types: Sequence[str], *, ma
     memory at a time. max_rows: measure on that many evenly spaced rows and scale to the tensor."""
     for t in types:
         _qtype(t)
-    try:
-        reader = gguf.GGUFReader(gguf_f16)
-    except (OSError, ValueError) as e:
-        raise ConvertError(f"{gguf_f16}: cannot read the GGUF ({e})") from e
-    tensors = [t for t in reader.tensors if quantizable(t)]
+    reader = tensors.open_gguf(gguf_f16)
+    chosen = [t for t in reader.tensors if quantizable(t)]
     n_threads = n_threads or max(1, min(8, os.cpu_count() or 1))
     costs = []
-    for i, tensor in enumerate(tensors):
-        costs.append(tensor_cost(tensor, imatrix, types, max_rows=max_rows, n_threads=n_threads))
+    for i, tensor in enumerate(chosen):
+        costs.append(tensor_cost(reader, tensor, imatrix, types, max_rows=max_rows, n_threads=n_threads))
         if progress:
-            progress("sensitivity", i + 1, len(tensors))
+            progress("sensitivity", i + 1, len(chosen))
     return costs
