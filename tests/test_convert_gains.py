@@ -113,3 +113,26 @@ def test_splice_refuses_tensors_one_file_lacks(tiny_model, tmp_path):
     with pytest.raises(ConvertError, match="no tensor 'blk.9.attn_q.weight'"):
         gains.splice(tiny_model, tiny_model, {"blk.9.attn_q.weight"}, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_the_probes_reference_comes_from_calibration(tiny_model):
+    """Calibration evaluates every position of its chunks: the logits it hands over for the probes'
+    first chunk are the ones the reference would compute (so it does not run that chunk again);
+    logits of other tokens are not taken."""
+    import numpy as np
+
+    from edgerun.convert import report
+    from edgerun.convert.calibrate import collect_imatrix
+    from edgerun.convert.report import Reference
+
+    text = (Path(__file__).resolve().parents[1] / "edgerun" / "data" / "calib" / "code.txt").read_text()[:6000]
+    kept = []
+    collect_imatrix(tiny_model, text, n_ctx=128, max_chunks=3, n_threads=2,
+                    on_chunk=lambda i, tokens, ctx: kept.append((tokens, report.evaluated_logits(ctx, len(tokens), 16))))
+    assert len(kept) == 3
+    fresh = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=2)
+    given = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=2, known=kept[:1])
+    assert given.logits[0] is kept[0][1] and given.logits[1] is not kept[1][1]
+    assert all(np.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(fresh.logits, given.logits))
+    wrong = Reference(tiny_model, text, n_ctx=128, max_chunks=1, first=16, n_threads=2, known=[(kept[1][0], kept[1][1])])
+    assert wrong.logits[0] is not kept[1][1] and np.allclose(wrong.logits[0], fresh.logits[0], rtol=0, atol=1e-4)

@@ -73,10 +73,13 @@ def chunk_tokens(tokens: list[int], n_ctx: int, bos: int | None) -> list[list[in
 
 def collect_imatrix(gguf_path: Path, text: str, *, n_ctx: int = 512, max_chunks: int | None = None,
                     n_threads: int | None = None, progress: Progress | None = None,
-                    collector: "_native.ImatrixCollector | None" = None) -> Imatrix:
+                    collector: "_native.ImatrixCollector | None" = None,
+                    on_chunk: Callable[[int, list[int], Context], None] | None = None) -> Imatrix:
     """Run `text` through the model in n_ctx chunks and return the importance matrix.
 
-    `collector` lets a caller (a test) pass a prepared native collector, e.g. one capturing a node."""
+    `collector` lets a caller (a test) pass a prepared native collector, e.g. one capturing a node.
+    `on_chunk(i, tokens, ctx)` is called after each chunk's evaluation, while the context holds
+    every position's logits (the weigh step keeps the first chunk's as its reference)."""
     if n_ctx < MIN_CHUNK_TOKENS:
         raise ConvertError(f"calibration context of {n_ctx} tokens is too short; use at least {MIN_CHUNK_TOKENS}")
     collector = collector or _native.ImatrixCollector()
@@ -89,7 +92,7 @@ def collect_imatrix(gguf_path: Path, text: str, *, n_ctx: int = 512, max_chunks:
             if not tokens or len(chunks[0]) < MIN_CHUNK_TOKENS:
                 raise ConvertError(f"calibration text gives {len(tokens)} tokens; give at least {MIN_CHUNK_TOKENS}")
             with Context(model, settings, eval_callback=(collector.callback_address, collector.user_data)) as ctx:
-                _run_chunks(ctx, chunks, collector, progress)
+                _run_chunks(ctx, chunks, collector, progress, on_chunk)
     except ConvertError:
         raise
     except EdgerunError as e:
@@ -97,7 +100,8 @@ def collect_imatrix(gguf_path: Path, text: str, *, n_ctx: int = 512, max_chunks:
     return Imatrix(values=_means(collector.results()), tokens=sum(map(len, chunks)), chunks=len(chunks))
 
 
-def _run_chunks(ctx: Context, chunks: list[list[int]], collector, progress: Progress | None) -> None:
+def _run_chunks(ctx: Context, chunks: list[list[int]], collector, progress: Progress | None,
+                on_chunk: Callable[[int, list[int], Context], None] | None) -> None:
     for i, chunk in enumerate(chunks):
         ctx.trim(0)
         try:
@@ -108,6 +112,8 @@ def _run_chunks(ctx: Context, chunks: list[list[int]], collector, progress: Prog
             raise ConvertError(f"calibration stopped: {collector.error or e}") from e
         if collector.error:
             raise ConvertError(f"calibration stopped: {collector.error}")
+        if on_chunk:
+            on_chunk(i, chunk, ctx)
         if progress:
             progress("calibrate", i + 1, len(chunks))
 

@@ -54,8 +54,9 @@ def probe_type(cost: TensorCost) -> str:
 
 def measure(f16: Path, costs: Sequence[TensorCost], text: str, *, work: Path, imatrix, n_ctx: int = 512,
             chunks: int = PROBE_CHUNKS, first: int = PROBE_FIRST, n_threads: int | None = None,
-            progress: Progress | None = None) -> dict[str, float]:
-    """Each role's gain (see the module docstring). `costs` must be relative (noise-to-signal)."""
+            progress: Progress | None = None, known: Sequence = ()) -> dict[str, float]:
+    """Each role's gain (see the module docstring). `costs` must be relative (noise-to-signal);
+    `known`: the F16's logits on calibration chunks, as report.Reference takes them."""
     from edgerun.convert.quantize import quantize
 
     roles: dict[str, list[TensorCost]] = {}
@@ -72,7 +73,8 @@ def measure(f16: Path, costs: Sequence[TensorCost], text: str, *, work: Path, im
                  n_threads=n_threads)
         if progress:
             progress("weigh roles", 1, steps)
-        reference = Reference(f16, text, n_ctx=n_ctx, max_chunks=chunks, first=first, n_threads=n_threads)
+        reference = Reference(f16, text, n_ctx=n_ctx, max_chunks=chunks, first=first, n_threads=n_threads,
+                              known=known)
         if progress:
             progress("weigh roles", 2, steps)
         splicer = Splicer(f16, cheap)

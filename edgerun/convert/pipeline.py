@@ -130,14 +130,15 @@ def convert(opts: ConvertOptions, *, progress: Progress | None = None) -> report
         f16 = Path(prepare_f16(opts.src, work / "f16", progress=progress))
     if opts.keep_f16:
         _copy_atomic(f16, Path(opts.keep_f16))
+    known: list = []  # the F16's logits on the probes' calibration chunks, if calibration runs now
     with clock("calibrate"):
-        imatrix, imatrix_key = cached_imatrix(f16, opts, work, progress)
+        imatrix, imatrix_key = cached_imatrix(f16, opts, work, progress, keep=known if opts.weigh else None)
     with clock("sensitivity"):
         costs = cached_costs(f16, imatrix, imatrix_key, opts, work, progress)
     role_gains = None
     if opts.weigh:
         with clock("weigh"):
-            role_gains = cached_gains(f16, imatrix, imatrix_key, costs, opts, work, progress)
+            role_gains = cached_gains(f16, imatrix, imatrix_key, costs, opts, work, progress, known=known)
         costs = gains.weigh(costs, role_gains)
     inventory = inventory_of(f16, {c.name for c in costs})
     with clock("plan"):
@@ -235,8 +236,11 @@ def _file_id(path: Path) -> list:
     return [str(path.resolve()), st.st_size, st.st_mtime_ns]
 
 
-def cached_imatrix(f16: Path, opts: ConvertOptions, work: Path, progress: Progress | None):
-    """The importance matrix of opts.calib on F16 and its cache key, computed once per input."""
+def cached_imatrix(f16: Path, opts: ConvertOptions, work: Path, progress: Progress | None,
+                   keep: list | None = None):
+    """The importance matrix of opts.calib on F16 and its cache key, computed once per input.
+    KEEP: when calibration runs, (tokens, logits) of the chunks the role probes are scored on are
+    appended to it (their reference, for free: calibration evaluates every position)."""
     from edgerun.convert.calibrate import Imatrix, collect_imatrix
 
     text = calibration_text(opts.calib)
@@ -246,8 +250,12 @@ def cached_imatrix(f16: Path, opts: ConvertOptions, work: Path, progress: Progre
         if progress:
             progress("calibrate (cached)", 1, 1)
         return Imatrix.load(path), key
+    def on_chunk(i: int, tokens: list[int], ctx) -> None:
+        if keep is not None and i < gains.PROBE_CHUNKS:
+            keep.append((tokens, report.evaluated_logits(ctx, len(tokens), gains.PROBE_FIRST)))
+
     imatrix = collect_imatrix(f16, text, n_ctx=opts.n_ctx, max_chunks=opts.calib_chunks,
-                              n_threads=opts.n_threads, progress=progress)
+                              n_threads=opts.n_threads, progress=progress, on_chunk=on_chunk)
     imatrix.save(path)
     return imatrix, key
 
@@ -301,7 +309,7 @@ def only_types(costs: Sequence[TensorCost], types: Sequence[str]) -> list[Tensor
 
 
 def cached_gains(f16: Path, imatrix, imatrix_key: str, costs: Sequence[TensorCost], opts: ConvertOptions,
-                 work: Path, progress: Progress | None) -> dict[str, float]:
+                 work: Path, progress: Progress | None, known: Sequence = ()) -> dict[str, float]:
     """Each tensor role's measured KLD per unit of relative error, computed once per input. The
     probes use the base types only: a gain is a property of the role, and probing with the
     i-quants' extremes would change the measurement, not the role."""
@@ -313,7 +321,7 @@ def cached_gains(f16: Path, imatrix, imatrix_key: str, costs: Sequence[TensorCos
             progress("weigh roles (cached)", 1, 1)
         return json.loads(path.read_text())
     measured = gains.measure(f16, only_types(costs, opts.types), calibration_text(opts.calib), work=work / "probe", imatrix=imatrix,
-                             n_ctx=opts.n_ctx, n_threads=opts.n_threads, progress=progress)
+                             n_ctx=opts.n_ctx, n_threads=opts.n_threads, progress=progress, known=known)
     report.write_text_atomic(path, json.dumps(measured, indent=1))
     return measured
 

@@ -87,7 +87,10 @@ class Reference:
     an earlier one scores more of each chunk's tokens, with less context behind the first few."""
 
     def __init__(self, ref_gguf: Path, text: str, *, n_ctx: int = 512, max_chunks: int | None = None,
-                 n_threads: int | None = None, first: int | None = None):
+                 n_threads: int | None = None, first: int | None = None,
+                 known: Sequence[tuple[list[int], np.ndarray]] = ()):
+        """`known`: (tokens, logits from `first` on) of chunks already run through the reference
+        (by calibration); a chunk whose tokens match is not run again."""
         from edgerun.runtime.engine import Context, Model
         from edgerun.settings import EngineSettings
 
@@ -95,10 +98,18 @@ class Reference:
         self.first = n_ctx // 2 if first is None else first
         if not 0 <= self.first < n_ctx - 1:
             raise ConvertError(f"the first scored position {self.first} is outside a chunk of {n_ctx} tokens")
-        with Model(ref_gguf) as ref, Context(ref, self.engine) as ctx:
+        with Model(ref_gguf) as ref:
             self.n_vocab = ref.n_vocab
             self.chunks = _chunks(ref, text, n_ctx, max_chunks)
-            self.logits = [_chunk_logits(ctx, chunk, self.first) for chunk in self.chunks]
+            self.logits = []
+            for i, chunk in enumerate(self.chunks):
+                tokens, logits = known[i] if i < len(known) else (None, None)
+                fits = tokens == chunk and logits is not None and len(logits) == len(chunk) - 1 - self.first
+                self.logits.append(logits if fits else None)
+            if any(x is None for x in self.logits):
+                with Context(ref, self.engine) as ctx:
+                    self.logits = [x if x is not None else _chunk_logits(ctx, chunk, self.first)
+                                   for x, chunk in zip(self.logits, self.chunks)]
 
     def compare(self, quant_gguf: Path) -> Quality:
         from edgerun.runtime.engine import Context, Model
@@ -129,13 +140,19 @@ def _chunks(model, text: str, n_ctx: int, max_chunks: int | None) -> list[list[i
 def _chunk_logits(ctx, tokens: list[int], first: int) -> np.ndarray:
     """Logits at positions first .. len-2 (each predicts the next token), evaluated on an empty
     cache in one llama_decode."""
-    import llama_cpp
-
     ctx.trim(0)
     ctx.eval(tokens, all_logits=True)
+    return evaluated_logits(ctx, len(tokens), first)
+
+
+def evaluated_logits(ctx, n_tokens: int, first: int) -> np.ndarray:
+    """A copy of the logits at positions first .. n_tokens-2 of the chunk the context has just
+    evaluated with every position's logits."""
+    import llama_cpp
+
     # with every position flagged, llama_get_logits holds one row per token, in batch order
     ptr = llama_cpp.llama_get_logits(ctx.ptr)
-    return np.ctypeslib.as_array(ptr, shape=(len(tokens), ctx.model.n_vocab))[first:-1].copy()
+    return np.ctypeslib.as_array(ptr, shape=(n_tokens, ctx.model.n_vocab))[first:-1].copy()
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
