@@ -79,3 +79,18 @@ def test_k_quants_only_reuses_the_cached_measurements(f16, tmp_path, monkeypatch
     chosen, k_chosen = plan.choose(both, budget), plan.choose(k_only, budget)
     assert chosen.types[WIDE] == "IQ3_XXS" and k_chosen.types[WIDE] == "Q2_K"
     assert chosen.error < k_chosen.error and max(chosen.nbytes, k_chosen.nbytes) <= budget
+
+
+def test_i_quants_far_below_the_budget_are_not_measured(f16, tmp_path, monkeypatch):
+    """At a budget's mean of 5.4 bits per weight the i-quants under 3.4 (IQ3_XXS here) are left
+    out; IQ3_S (3.44) and IQ4_XS stay; without a budget (plans at several sizes) all are measured."""
+    monkeypatch.setattr(pipeline, "I_QUANTS", CHEAP)
+    imatrix = imatrix_for(WIDE, NARROW)
+    opts = pipeline.ConvertOptions(src=str(f16), output=tmp_path / "o.gguf", quant="Q4_K_M", n_threads=1)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    near = {c.name: c for c in pipeline.cached_costs(f16, imatrix, "k", opts, tmp_path / "a", None, bpw=5.4)}
+    assert {"IQ3_S", "IQ4_XS"} <= set(near[WIDE].errors) and "IQ3_XXS" not in near[WIDE].errors
+    assert "Q2_K" in near[WIDE].errors  # the k-quants are all measured
+    every = {c.name: c for c in pipeline.cached_costs(f16, imatrix, "k", opts, tmp_path / "b", None)}
+    assert set(CHEAP) <= set(every[WIDE].errors)
+    assert {t: e for t, e in every[WIDE].errors.items() if t != "IQ3_XXS"} == near[WIDE].errors

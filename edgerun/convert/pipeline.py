@@ -41,6 +41,11 @@ CANDIDATE_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1
 # accurate per byte than the k-quants at 2-4 bpw, but some decode slower on CPUs. Measured and
 # cached apart from CANDIDATE_TYPES, so turning them on or off reuses the other measurements.
 I_QUANTS = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS")
+# An i-quant more than this many bits per weight below the budget's mean is not measured: a
+# plan puts no tensor that far below the mean (Q2_K stays a candidate for one that is), and
+# the 2-bit i-quants' lattice searches are the slowest part of the sensitivity step (on the 0.5B
+# at Q3_K_M's size, 5.4 bpw, about half of it, and the plan took none of them).
+I_QUANT_SPAN_BPW = 2.0
 # llama.cpp's stock recipes the plan can be compared with (--plot): the nearest smaller and larger
 # one, and the next ones while within STOCK_SPAN of the plan's size, are quantized with the same
 # imatrix and evaluated beside it.
@@ -134,7 +139,9 @@ def convert(opts: ConvertOptions, *, progress: Progress | None = None) -> report
     with clock("calibrate"):
         imatrix, imatrix_key = cached_imatrix(f16, opts, work, progress, keep=known if opts.weigh else None)
     with clock("sensitivity"):
-        costs = cached_costs(f16, imatrix, imatrix_key, opts, work, progress)
+        whole = inventory_of(f16, set())
+        costs = cached_costs(f16, imatrix, imatrix_key, opts, work, progress,
+                             bpw=8 * _budget(opts, f16, whole)[0] / sum(whole.n_elements.values()))
     role_gains = None
     if opts.weigh:
         with clock("weigh"):
@@ -261,11 +268,16 @@ def cached_imatrix(f16: Path, opts: ConvertOptions, work: Path, progress: Progre
 
 
 def cached_costs(f16: Path, imatrix, imatrix_key: str, opts: ConvertOptions, work: Path,
-                 progress: Progress | None) -> list[TensorCost]:
+                 progress: Progress | None, bpw: float | None = None) -> list[TensorCost]:
     """Every candidate type's error for every quantizable tensor, computed once per input: the
-    base types (opts.types) and, unless --k-quants-only, the i-quants, each cached on its own."""
+    base types (opts.types) and, unless --k-quants-only, the i-quants, each cached on its own.
+    BPW: the budget's mean bits per weight, where the i-quants far below it are left out (see
+    I_QUANT_SPAN_BPW); None measures them all (plans at several budgets)."""
+    from edgerun.convert.sensitivity import type_bpw
+
     costs = _cached_cost_group(f16, imatrix, imatrix_key, opts, tuple(opts.types), work, progress, "sensitivity")
-    extra = tuple(t for t in I_QUANTS if t not in opts.types) if opts.i_quants else ()
+    extra = tuple(t for t in I_QUANTS if t not in opts.types and (bpw is None or type_bpw(t) >= bpw - I_QUANT_SPAN_BPW)
+                  ) if opts.i_quants else ()
     if extra:
         more = {c.name: c for c in _cached_cost_group(f16, imatrix, imatrix_key, opts, extra, work, progress,
                                                       "sensitivity (i-quants)")}

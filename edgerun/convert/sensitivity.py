@@ -55,6 +55,12 @@ def block_size(type_name: str) -> int:
     return gguf.GGML_QUANT_SIZES[_qtype(type_name)][0]
 
 
+def type_bpw(type_name: str) -> float:
+    """Bits per weight of a ggml type."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[_qtype(type_name)]
+    return 8 * nbytes / block
+
+
 def type_nbytes(type_name: str, n_elements: int) -> int:
     """Bytes n_elements take in a ggml type."""
     block, nbytes = gguf.GGML_QUANT_SIZES[_qtype(type_name)]
