@@ -194,9 +194,9 @@ def alone_and_together(client, model_path, n: int, max_tokens: int, near_tie: fl
     for m, a, b in zip(asks, alone, batched):
         assert b.choices[0].finish_reason in ("stop", "length") and b.usage.completion_tokens <= max_tokens
         steps = serve.greedy_steps(model_path, m, max_tokens)
-        for reply in (a, b):
+        for how, reply in (("alone", a), ("batched", b)):
             gap = serve.explain_difference(steps, reply.choices[0].message.content)
-            assert gap is None or gap < near_tie, (m, reply.choices[0].message.content, steps[-1][0])
+            assert gap is None or gap < near_tie, (how, m, reply.choices[0].message.content[:40], steps[-1][0][:40])
         same += a.choices[0].message.content == b.choices[0].message.content
     assert same >= int(n * min_same)  # on the tiny model near ties are rare: most replies are identical
 
