@@ -100,3 +100,12 @@ def test_chunks_start_with_bos_and_drop_only_a_short_tail():
 def test_too_little_text_is_refused(small_model):
     with pytest.raises(ConvertError, match="at least"):
         collect_imatrix(small_model, "hi", n_ctx=N_CTX)
+
+
+def test_calibration_chunks_are_spread_over_the_whole_text():
+    from edgerun.convert.calibrate import spread
+
+    chunks = list(range(27))
+    assert spread(chunks, 8) == [0, 4, 7, 11, 15, 19, 22, 26]  # first and last, evenly between
+    assert spread(chunks, None) == chunks and spread(chunks, 40) == chunks
+    assert spread(chunks, 1) == [0]

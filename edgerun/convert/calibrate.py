@@ -71,6 +71,15 @@ def chunk_tokens(tokens: list[int], n_ctx: int, bos: int | None) -> list[list[in
     return chunks
 
 
+def spread(chunks: list, limit: int | None) -> list:
+    """At most LIMIT of CHUNKS, evenly spaced from the first to the last (every one when LIMIT is
+    None or not smaller): a text of several sets or files is sampled all through, not only its
+    start; the first chunk is always among them."""
+    if limit is None or limit >= len(chunks):
+        return list(chunks)
+    return [chunks[i] for i in np.unique(np.linspace(0, len(chunks) - 1, limit).round().astype(int))]
+
+
 def collect_imatrix(gguf_path: Path, text: str, *, n_ctx: int = 512, max_chunks: int | None = None,
                     n_threads: int | None = None, progress: Progress | None = None,
                     collector: "_native.ImatrixCollector | None" = None,
@@ -88,7 +97,7 @@ def collect_imatrix(gguf_path: Path, text: str, *, n_ctx: int = 512, max_chunks:
     try:
         with Model(gguf_path) as model:
             tokens = model.tokenize(text, add_special=False)
-            chunks = chunk_tokens(tokens, n_ctx, model.bos if model.add_bos else None)[:max_chunks]
+            chunks = spread(chunk_tokens(tokens, n_ctx, model.bos if model.add_bos else None), max_chunks)
             if not tokens or len(chunks[0]) < MIN_CHUNK_TOKENS:
                 raise ConvertError(f"calibration text gives {len(tokens)} tokens; give at least {MIN_CHUNK_TOKENS}")
             with Context(model, settings, eval_callback=(collector.callback_address, collector.user_data)) as ctx:

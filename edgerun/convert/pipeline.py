@@ -51,7 +51,11 @@ I_QUANT_SPAN_BPW = 2.0
 # imatrix and evaluated beside it.
 STOCK_RECIPES = ("IQ2_M", "Q2_K", "IQ3_XXS", "Q3_K_M", "IQ4_XS", "Q4_K_M", "Q5_K_M", "Q6_K")
 STOCK_SPAN = (0.6, 1.5)
-_CACHE_VERSION = 2  # bump when an intermediate's format or meaning changes
+# Calibration runs at most this many 512-token chunks, spread over the text (calibrate.spread):
+# the F16's forward passes are the step's whole cost, and on the 0.5B the plan's KLD from the
+# first 8 chunks of the code set was 1.002x that from all 27 (docs/BENCHMARKS.md, convert speed).
+CALIB_CHUNKS = 6
+_CACHE_VERSION = 3  # bump when an intermediate's format or meaning changes
 
 
 @dataclass(frozen=True)
@@ -67,13 +71,13 @@ class ConvertOptions:
     eval_text: Path = EVAL_TEXT
     eval_chunks: int = 16  # 0: skip the quality evaluation
     n_ctx: int = 512
-    calib_chunks: int | None = None
+    calib_chunks: int | None = CALIB_CHUNKS  # None: every chunk of the calibration text
     types: tuple[str, ...] = CANDIDATE_TYPES
     weigh: bool = True  # measure each role's KLD per unit of error (gains.py); off: all roles weigh 1
     i_quants: bool = True  # also let the plan pick I_QUANTS (off: --k-quants-only)
     plot: Path | None = None  # also quantize and evaluate the stock recipes near the plan's size, and
     # draw the plan against them (KLD vs size) into this PNG
-    max_rows: int | None = 256
+    max_rows: int | None = 128  # rows per tensor the sensitivity step measures (None: all)
     n_threads: int | None = None
     work_dir: Path | None = None  # default: <cache>/convert
 
