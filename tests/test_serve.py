@@ -18,7 +18,9 @@ PARALLEL = 16  # 16 clients at once decode in one batch
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    with serve.running(tiny_model, "--parallel", str(PARALLEL), "--ctx", "1024", "--threads", "2") as s:
+    # one thread: the tiny model's steps take a fraction of a millisecond, and two threads meeting at
+    # llama.cpp's barriers on two busy cores wait a scheduler turn at each (a 24-token reply: 5 s)
+    with serve.running(tiny_model, "--parallel", str(PARALLEL), "--ctx", "1024", "--threads", "1") as s:
         yield s
 
 
@@ -169,7 +171,7 @@ NEAR_TIE_REAL = 0.5
 
 
 def alone_and_together(client, model_path, n: int, max_tokens: int, near_tie: float = NEAR_TIE,
-                       min_same: float = 0.75) -> None:
+                       min_same: float = 0.75, threads: int = 2) -> None:
     """n different prompts at T=0, each served alone, then all n at once (batched steps). Each
     reply is the one a single sequence decodes by itself (testkit.serve.greedy_steps), token for
     token, or parts from it only at a pick whose two best logits were within near_tie: llama.cpp's
@@ -193,7 +195,7 @@ def alone_and_together(client, model_path, n: int, max_tokens: int, near_tie: fl
     same = 0
     for m, a, b in zip(asks, alone, batched):
         assert b.choices[0].finish_reason in ("stop", "length") and b.usage.completion_tokens <= max_tokens
-        steps = serve.greedy_steps(model_path, m, max_tokens)
+        steps = serve.greedy_steps(model_path, m, max_tokens, threads=threads)
         for how, reply in (("alone", a), ("batched", b)):
             gap = serve.explain_difference(steps, reply.choices[0].message.content)
             assert gap is None or gap < near_tie, (how, m, reply.choices[0].message.content[:40], steps[-1][0][:40])
@@ -202,7 +204,7 @@ def alone_and_together(client, model_path, n: int, max_tokens: int, near_tie: fl
 
 
 def test_sixteen_clients_at_once_get_the_replies_they_get_alone(client, tiny_model):
-    alone_and_together(client, tiny_model, 16, 32)
+    alone_and_together(client, tiny_model, 16, 32, threads=1)
 
 
 def test_served_alone_the_reply_is_edgerun_runs(tiny_model, edgerun_home):
@@ -212,12 +214,12 @@ def test_served_alone_the_reply_is_edgerun_runs(tiny_model, edgerun_home):
     import sys
 
     prompt = "Tell me a story about a fox"
-    with serve.running(tiny_model, "--ctx", "1024", "--threads", "2") as s:
+    with serve.running(tiny_model, "--ctx", "1024", "--threads", "1") as s:
         c = OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
         for temp, seed in ((0.0, None), (0.9, 4242), (1.3, 7)):
             sampling = ["--temp", str(temp)] + (["--seed", str(seed)] if seed is not None else [])
             run = subprocess.run([sys.executable, "-m", "edgerun.cli", "run", prompt, "-m", str(tiny_model),
-                                  "--ctx", "1024", "--threads", "2", "-n", "40", "--no-kv-cache", *sampling],
+                                  "--ctx", "1024", "--threads", "1", "-n", "40", "--no-kv-cache", *sampling],
                                  capture_output=True, timeout=120)  # bytes: a reply may hold a bare \r
             assert run.returncode == 0, run.stderr
             served = chat(c, prompt, temperature=temp, max_tokens=40, **({"seed": seed} if seed is not None else {}))
@@ -294,7 +296,7 @@ def test_clients_that_hang_up_mid_stream_free_their_slots(server, client):
 
 
 def test_a_key_is_required_when_given(tiny_model):
-    with serve.running(tiny_model, "--api-key", "sesame", "--ctx", "512") as s:
+    with serve.running(tiny_model, "--api-key", "sesame", "--ctx", "512", "--threads", "1") as s:
         assert httpx.get(s.root + "/health").status_code == 200  # a probe needs no key
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             reply = httpx.get(s.url + "/models", headers=headers)
@@ -315,7 +317,7 @@ def test_another_address_needs_a_key(tiny_model):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_drains_the_running_reply_and_exits_0(tiny_model, sig):
-    s = serve.start(tiny_model, "--ctx", "512", "--drain-timeout", "120")  # a bound, not a speed: a busy machine is slow
+    s = serve.start(tiny_model, "--ctx", "512", "--threads", "1", "--drain-timeout", "120")  # a bound, not a speed: a busy machine is slow
     try:
         c = OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=60)
         stream = c.chat.completions.create(model=model_name(c), messages=[{"role": "user", "content": "go"}],
