@@ -48,7 +48,8 @@ def test_every_matmul_weight_has_a_finite_entry_of_its_input_size(collected, wei
         assert v.shape == (int(weights[name].shape[0]),), name  # one value per input column
         assert np.all(np.isfinite(v)) and np.all(v >= 0), name
         assert v.max() > 0, name
-    assert imatrix.chunks == CHUNKS and imatrix.tokens == CHUNKS * N_CTX
+    # the chunks are spread over the text, its last (shorter) chunk among them
+    assert imatrix.chunks == CHUNKS and (CHUNKS - 1) * N_CTX < imatrix.tokens <= CHUNKS * N_CTX
     assert steps == [("calibrate", i + 1, CHUNKS) for i in range(CHUNKS)]
 
 

@@ -72,13 +72,16 @@ def test_overridden_tensors_get_exactly_their_type_and_the_rest_the_base(quantiz
 
 
 @pytest.mark.slow
-def test_llama_cpp_quantized_with_the_imatrix(out_tensors, small_model):
+def test_llama_cpp_quantized_with_the_imatrix(quantized, small_model):
     name = "blk.1.attn_q.weight"  # Q4_0: with an imatrix ggml searches weighted scales
-    src = next(t for t in gguf.GGUFReader(small_model).tensors if t.name == name)
-    out = out_tensors[name]
-    w = read_rows(src, np.arange(int(src.shape[1])))
+    from edgerun.convert.tensors import open_gguf
+
+    src_file, out_file = open_gguf(small_model), open_gguf(quantized[0])
+    src = next(t for t in src_file.tensors if t.name == name)
+    out = next(t for t in out_file.tensors if t.name == name)
+    w = read_rows(src_file, src, np.arange(int(src.shape[1])))
     importance = np.linspace(0.5, 2.0, w.shape[1]).astype(np.float32)
-    got = float(((w.astype(np.float64) - read_rows(out, np.arange(w.shape[0]))) ** 2 * importance).sum())
+    got = float(((w.astype(np.float64) - read_rows(out_file, out, np.arange(w.shape[0]))) ** 2 * importance).sum())
     # exactly the error of ggml's weighted quantizer with that importance, not the plain one's
     assert got == pytest.approx(_native.quant_error(int(gguf.GGMLQuantizationType.Q4_0), w, importance, 2), rel=1e-9)
     q4_0 = gguf.GGMLQuantizationType.Q4_0

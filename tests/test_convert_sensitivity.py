@@ -21,8 +21,15 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tensors(small_model) -> dict[str, gguf.ReaderTensor]:
-    return {t.name: t for t in gguf.GGUFReader(small_model).tensors}
+def reader(small_model):
+    from edgerun.convert.tensors import open_gguf
+
+    return open_gguf(small_model)
+
+
+@pytest.fixture(scope="module")
+def tensors(reader) -> dict:
+    return {t.name: t for t in reader.tensors}
 
 
 def reference_error(w: np.ndarray, qtype: Q, importance: np.ndarray | None = None) -> float:
@@ -32,25 +39,25 @@ def reference_error(w: np.ndarray, qtype: Q, importance: np.ndarray | None = Non
     return float((sq * (1.0 if importance is None else importance[None, :])).sum())
 
 
-def test_error_falls_as_bits_rise(tensors):
+def test_error_falls_as_bits_rise(reader, tensors):
     # output.weight is stored as Q8_0 (the finest grid in this file); pairs of its 896-long rows
     # make 1792-long rows (7 super-blocks) for the 256-blocks of the k-quants
-    w = read_rows(tensors["output.weight"], sample_rows(151936, 256)).reshape(-1, 1792)
+    w = read_rows(reader, tensors["output.weight"], sample_rows(151936, 256)).reshape(-1, 1792)
     errors = [_native.quant_error(int(Q[t]), w, None, 2) for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")]
     assert all(a > b for a, b in zip(errors, errors[1:])), errors
     assert errors[-1] == 0.0  # Q8_0 values back into Q8_0 blocks (32-aligned): exact
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_1"])
-def test_error_equals_gguf_py_reference(tensors, type_name):
-    w = read_rows(tensors["blk.0.attn_q.weight"], sample_rows(896, 128))
+def test_error_equals_gguf_py_reference(reader, tensors, type_name):
+    w = read_rows(reader, tensors["blk.0.attn_q.weight"], sample_rows(896, 128))
     assert _native.quant_error(int(Q[type_name]), w, None, 2) == pytest.approx(reference_error(w, Q[type_name]),
                                                                                rel=1e-9)
 
 
-def test_importance_weighs_columns(tensors):
+def test_importance_weighs_columns(reader, tensors):
     # square (896 x 896), so weights applied along rows instead of columns would still run
-    w = read_rows(tensors["blk.0.attn_q.weight"], np.arange(896))
+    w = read_rows(reader, tensors["blk.0.attn_q.weight"], np.arange(896))
     rng = np.random.default_rng(0)
     importance = rng.uniform(0.0, 10.0, 896).astype(np.float32)
     # Q8_0 ignores the importance when quantizing, so only the weighting of the error differs
@@ -61,8 +68,8 @@ def test_importance_weighs_columns(tensors):
     assert abs(got - wrong_axis) > 1e-3 * got
 
 
-def test_quantizer_uses_the_importance(tensors):
-    w = read_rows(tensors["blk.0.attn_q.weight"], sample_rows(896, 256))
+def test_quantizer_uses_the_importance(reader, tensors):
+    w = read_rows(reader, tensors["blk.0.attn_q.weight"], sample_rows(896, 256))
     importance = np.where(np.arange(896) < 448, 100.0, 0.01).astype(np.float32)
     # Q4_0 with an imatrix searches scales that favour the important columns; gguf-py's reference
     # quantizer does not, so measured by the same weighted error it must do clearly worse
@@ -86,33 +93,33 @@ def test_measure_covers_every_quantizable_weight(small_model, tensors):
     assert steps[-1] == ("sensitivity", len(costs), len(costs))
 
 
-def test_row_subset_estimates_the_whole_tensor(tensors):
+def test_row_subset_estimates_the_whole_tensor(reader, tensors):
     tensor = tensors["blk.3.attn_k.weight"]  # 128 rows of 896
-    full = tensor_cost(tensor, None, ["Q4_0"], max_rows=None, n_threads=2).errors["Q4_0"]
-    part = tensor_cost(tensor, None, ["Q4_0"], max_rows=32, n_threads=2).errors["Q4_0"]
+    full = tensor_cost(reader, tensor, None, ["Q4_0"], max_rows=None, n_threads=2).errors["Q4_0"]
+    part = tensor_cost(reader, tensor, None, ["Q4_0"], max_rows=32, n_threads=2).errors["Q4_0"]
     assert part == pytest.approx(full, rel=0.25)
 
 
-def test_imatrix_is_used_and_checked(tensors):
+def test_imatrix_is_used_and_checked(reader, tensors):
     tensor = tensors["blk.0.attn_q.weight"]
     importance = np.linspace(0.0, 4.0, 896).astype(np.float32)
     imatrix = Imatrix(values={tensor.name: importance}, tokens=1, chunks=1)
-    cost = tensor_cost(tensor, imatrix, ["Q8_0"], max_rows=None, n_threads=2)
-    w = read_rows(tensor, np.arange(896))
+    cost = tensor_cost(reader, tensor, imatrix, ["Q8_0"], max_rows=None, n_threads=2)
+    w = read_rows(reader, tensor, np.arange(896))
     assert cost.errors["Q8_0"] == pytest.approx(reference_error(w, Q.Q8_0, importance), rel=1e-6)
     foreign = Imatrix(values={tensor.name: importance[:100]}, tokens=1, chunks=1)
     with pytest.raises(ConvertError, match="another model"):
-        tensor_cost(tensor, foreign, ["Q8_0"], max_rows=8, n_threads=2)
+        tensor_cost(reader, tensor, foreign, ["Q8_0"], max_rows=8, n_threads=2)
 
 
-def test_types_ggml_cannot_make_are_refused_not_fatal(tensors):
-    w = read_rows(tensors["blk.0.ffn_down.weight"], sample_rows(896, 4))
+def test_types_ggml_cannot_make_are_refused_not_fatal(reader, tensors):
+    w = read_rows(reader, tensors["blk.0.ffn_down.weight"], sample_rows(896, 4))
     with pytest.raises(ValueError, match="without an importance matrix"):
         _native.quant_error(int(Q.IQ2_XXS), w, None, 1)  # ggml itself would abort the process
     with pytest.raises(ValueError, match="cannot quantize to q8_K"):
         _native.quant_error(int(Q.Q8_K), w, None, 1)
     # without the tensor's importance, the i-quants llama.cpp refuses to make are no candidates
-    assert tensor_cost(tensors["blk.0.ffn_down.weight"], None, ["IQ2_XXS"], max_rows=4, n_threads=1).errors == {}
+    assert tensor_cost(reader, tensors["blk.0.ffn_down.weight"], None, ["IQ2_XXS"], max_rows=4, n_threads=1).errors == {}
 
 
 def test_sizes_come_from_ggml_block_layout():
