@@ -66,7 +66,7 @@ def test_splice_writes_the_file_the_quantizer_writes_for_those_overrides(tiny_mo
     assert len(pick) == 3
     direct = quantize(tiny_model, tmp_path / "direct.gguf", ftype="Q8_0", overrides=dict.fromkeys(pick, "Q4_0"),
                       imatrix=None)
-    spliced = gains.splice(base, cheap, pick, tmp_path / "spliced.gguf")
+    spliced = gains.Splicer(base, cheap).write(pick, tmp_path / "spliced.gguf")
     assert spliced.read_bytes() == direct.read_bytes()
     assert spliced.read_bytes() != base.read_bytes()
 
@@ -84,7 +84,7 @@ def test_a_probe_is_the_f16_with_one_role_from_the_cheap_file(tiny_model, tmp_pa
     cheap = quantize(tiny_model, tmp_path / "cheap.gguf", ftype="Q8_0", overrides=dict.fromkeys(names, "Q4_0"),
                      imatrix=None)
     role = {n for n in names if gains.role_of(n) == "ffn_down.weight"}
-    probe = gains.splice(tiny_model, cheap, role, tmp_path / "probe.gguf")
+    probe = gains.Splicer(tiny_model, cheap).write(role, tmp_path / "probe.gguf")
     f16 = {t.name: t for t in gguf.GGUFReader(str(tiny_model)).tensors}
     q = {t.name: t for t in gguf.GGUFReader(str(cheap)).tensors}
     got = gguf.GGUFReader(str(probe)).tensors
@@ -111,7 +111,7 @@ def test_reference_scores_from_its_first_position(tiny_model):
 
 def test_splice_refuses_tensors_one_file_lacks(tiny_model, tmp_path):
     with pytest.raises(ConvertError, match="no tensor 'blk.9.attn_q.weight'"):
-        gains.splice(tiny_model, tiny_model, {"blk.9.attn_q.weight"}, tmp_path / "x.gguf")
+        gains.Splicer(tiny_model, tiny_model).write({"blk.9.attn_q.weight"}, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
 
 

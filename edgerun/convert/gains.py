@@ -11,7 +11,7 @@ is what the report measures.
 
 llama.cpp quantizes each tensor on its own (its data depends on the tensor, its type and its
 importance alone), so one quantize serves every probe: every tensor at its probe type, and each
-probe is the F16 file with one role's tensors spliced in from it (splice()). A probe then costs
+probe is the F16 file with one role's tensors spliced in from it (Splicer). A probe then costs
 one evaluation of one calibration chunk against the F16's logits, computed once, scored from
 position PROBE_FIRST on (about 10 probes for a transformer); the result is cached with the other
 intermediates."""
@@ -91,11 +91,6 @@ def measure(f16: Path, costs: Sequence[TensorCost], text: str, *, work: Path, im
     positive = sorted(g for g in raw.values() if g > 0)
     floor = MIN_GAIN_SHARE * positive[len(positive) // 2] if positive else 1.0
     return {role: max(g, floor) for role, g in raw.items()}
-
-
-def splice(base: Path, other: Path, names: set[str], dst: Path) -> Path:
-    """DST: the GGUF BASE with its tensors NAMES taken from OTHER (see Splicer)."""
-    return Splicer(base, other).write(names, dst)
 
 
 class Splicer:
