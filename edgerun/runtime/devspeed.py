@@ -92,7 +92,4 @@ def weight_bytes_per_s(handle: int, free: int | None = None) -> float | None:
 
 def local_cpu_bytes_per_s() -> float | None:
     """The same probe on this machine's CPU backend (what the blocks left on the host run at)."""
-    binding = rpc.lib()
-    devs = [binding.ggml.ggml_backend_dev_get(i) for i in range(binding.ggml.ggml_backend_dev_count())]
-    cpus = [d for d in devs if binding.base.ggml_backend_dev_type(d) == 0]  # GGML_BACKEND_DEVICE_TYPE_CPU
-    return weight_bytes_per_s(cpus[0]) if cpus else None
+    return weight_bytes_per_s(rpc.serve_devices(cpu=True)[0])
