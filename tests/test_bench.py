@@ -312,7 +312,7 @@ def test_convert_scenario_on_a_tiny_checkpoint(tmp_path, capsys):
     src = write_tiny_checkpoint(tmp_path / "hf", "qwen2")
     doc, proc = _scenario_doc(capsys, tmp_path, "convert", "--src", str(src), "--work", str(tmp_path / "work"),
                               "--eval-chunks", "1", "--calib-chunks", "1", "--no-weigh", "--no-prose",
-                              "--decode-tokens", "4", "--decode-repeat", "1", "--threads", "1")
+                              "--decode-tokens", "4", "--decode-repeat", "1", "--threads", "1", "--timed")
     plans = {f"edgerun @{f} (code calib)" for f in ("Q3_K_M", "Q2_K")} | {f"edgerun k-quants @{f}" for f in ("Q3_K_M", "Q2_K")}
     assert set(doc["results"]) == {f"stock {f}" for f in ("Q3_K_M", "Q2_K", "IQ3_XXS", "IQ2_M")} | plans
     res = doc["results"]
@@ -326,7 +326,10 @@ def test_convert_scenario_on_a_tiny_checkpoint(tmp_path, capsys):
     assert [c["median"] for c in doc["claims"]] == pytest.approx(
         [res[f"edgerun @{f} (code calib)"]["kld_mean"] / res[f"stock {best[f]}"]["kld_mean"] for f in ("Q3_K_M", "Q2_K")]
         + [res[f"edgerun k-quants @{f}"]["kld_mean"] / res[f"stock {f}"]["kld_mean"] for f in ("Q3_K_M", "Q2_K")])
-    assert "mean KLD" in proc.stdout and doc["convert"] is None
+    assert "mean KLD" in proc.stdout
+    timed = doc["convert"]  # --timed: the whole convert as a user runs it, in a child process
+    assert timed["wall_s"] > 0 and timed["peak_rss_bytes"] > 0 and Path(timed["output"]).stat().st_size == timed["size_bytes"]
+    assert {"calibrate", "sensitivity", "weigh", "quantize"} <= set(timed["steps_s"])
 
 
 @pytest.mark.slow

@@ -71,26 +71,37 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="with --speed-against: convert to the size of this stock recipe of SRC (default Q3_K_M)")
 
 
-def _timed_convert(src: str, work: Path, env: dict, threads: int | None) -> dict:
-    """`edgerun convert` as a user runs it, in a child process with its own cache."""
-    out, rep = work / "edgerun-convert.gguf", work / "edgerun-convert.json"
-    cmd = [sys.executable, "-m", "edgerun.cli", "convert", src, "-o", str(out), "--quant", "Q3_K_M",
-           "--calib", "code", "--eval-chunks", "0", "--report", str(rep)] + (["--threads", str(threads)] if threads else [])
+def _timed_convert(src: str, budget: list[str], out: Path, env: dict, threads: int | None,
+                   tree: Path | None = None) -> dict:
+    """`edgerun convert SRC -o OUT BUDGET...` as a user runs it (TREE: as that checkout's code runs
+    it), in a child process with the cache ENV names: wall time, the report's steps, size, the
+    load average before and after, and the peak RSS of this process's children so far (the
+    convert and its quantizer child, when it is the first)."""
+    rep = out.with_suffix(".json")
+    args = ["convert", src, "-o", str(out), *budget, "--calib", "code", "--eval-chunks", "0", "--report", str(rep)]
+    args += ["--threads", str(threads)] if threads else []
+    if tree:
+        ext = Path(importlib.util.find_spec("edgerun._native_ext").origin).parent
+        cmd = [sys.executable, "-c", _IN_TREE, str(tree), str(ext), *args]
+    else:
+        cmd = [sys.executable, "-m", "edgerun.cli", *args]
+    load = os.getloadavg()[0]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise EdgerunError(f"edgerun convert failed with exit code {proc.returncode}")
+        lines = proc.stderr.strip().splitlines()
+        raise EdgerunError(f"edgerun convert ({tree or 'this tree'}) failed: {lines[-1] if lines else proc.returncode}")
     doc = json.loads(rep.read_text())
-    # ru_maxrss of waited-for children covers the convert process and its quantizer child (KiB)
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    return {"wall_s": round(wall, 1), "steps_s": doc["timings_s"], "peak_rss_bytes": rss, "size_bytes": doc["size_bytes"]}
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB
+    return {"wall_s": round(wall, 1), "steps_s": doc["timings_s"], "peak_rss_bytes": rss, "size_bytes": doc["size_bytes"],
+            "load_avg_1m": [round(load, 2), round(os.getloadavg()[0], 2)], "output": str(out)}
 
 
 def _tensor_bytes(path: Path) -> int:
-    import gguf
+    from edgerun.convert.tensors import n_bytes, open_gguf
 
-    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    return sum(n_bytes(t) for t in open_gguf(path).tensors)
 
 
 def _variants(f16: Path, cache: Path, out_dir: Path, opts, calibs: tuple[str, ...], bar) -> dict[str, Path]:
@@ -168,7 +179,8 @@ def measure(args: argparse.Namespace, say) -> dict:
     cache = work / "home" / "cache" / "convert"
     bar = Bar()
     try:
-        timing = _timed_convert(args.src, work, env, args.threads) if args.timed else None
+        timing = (_timed_convert(args.src, ["--quant", "Q3_K_M"], work / "edgerun-convert.gguf", env, args.threads)
+                  if args.timed else None)
         if timing:
             say(f"edgerun convert --quant Q3_K_M: {timing['wall_s']:.0f} s, peak RSS {timing['peak_rss_bytes'] / 2**30:.2f} GiB")
         f16 = Path(prepare_f16(args.src, cache / "f16", progress=bar))
@@ -227,29 +239,13 @@ def reference_tree(rev: str, work: Path) -> tuple[Path, str]:
 
 
 def _convert_side(src: str, size: int, side: Path, tree: Path | None, threads: int | None) -> dict:
-    """One `edgerun convert` from scratch (its own empty cache) in a child process: wall time,
-    the report's steps, the load average before and after. TREE: run that checkout's code."""
+    """One `edgerun convert` from scratch (its own empty cache under SIDE). TREE: that checkout's code."""
     shutil.rmtree(side, ignore_errors=True)
     side.mkdir(parents=True)
-    out, rep = side / "out.gguf", side / "report.json"
-    args = ["convert", src, "-o", str(out), "--size", str(size), "--calib", "code", "--eval-chunks", "0",
-            "--report", str(rep)] + (["--threads", str(threads)] if threads else [])
-    if tree:
-        ext = Path(importlib.util.find_spec("edgerun._native_ext").origin).parent
-        cmd = [sys.executable, "-c", _IN_TREE, str(tree), str(ext), *args]
-    else:
-        cmd = [sys.executable, "-m", "edgerun.cli", *args]
     env = {**os.environ, "EDGERUN_HOME": str(side / "home")}
-    load = os.getloadavg()[0]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
-        raise EdgerunError(f"edgerun convert ({tree or 'this tree'}) failed: {lines[-1] if lines else proc.returncode}")
-    doc = json.loads(rep.read_text())
-    return {"wall_s": round(wall, 1), "steps_s": doc["timings_s"], "size_bytes": doc["size_bytes"],
-            "load_avg_1m": [round(load, 2), round(os.getloadavg()[0], 2)], "output": str(out)}
+    timing = _timed_convert(src, ["--size", str(size)], side / "out.gguf", env, threads, tree)
+    del timing["peak_rss_bytes"]  # the children's peak so far: the other side's too
+    return timing
 
 
 def measure_speed(args: argparse.Namespace, say) -> dict:
