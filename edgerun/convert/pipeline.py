@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-
 from edgerun import paths
 from edgerun.convert import gains
 from edgerun.convert import plan as planner
