@@ -206,6 +206,6 @@ def test_role_gains_predict_the_kld_of_two_roles_quantized_together(tiny_f16, tm
     reference = Reference(tiny_f16, calib.read_text(), n_ctx=512, max_chunks=gains.PROBE_CHUNKS,
                           first=gains.PROBE_FIRST, n_threads=2)
     cheap = quantize(tiny_f16, tmp_path / "cheap.gguf", ftype=gains.PROBE_FTYPE, overrides=pair, imatrix=imatrix)
-    rise = reference.compare(gains.splice(tiny_f16, cheap, set(pair), tmp_path / "both.gguf")).kld_mean
+    rise = reference.compare(gains.Splicer(tiny_f16, cheap).write(set(pair), tmp_path / "both.gguf")).kld_mean
     print(f"KLD rise {rise:.5f}, predicted {predicted:.5f}")
     assert 0.6 * predicted < rise < 1.6 * predicted
