@@ -259,7 +259,13 @@ def test_bench_rpc_measures_both_sides_and_the_bytes_per_step(tiny_model, tmp_pa
 
     doc = json.loads(out.read_text())
     assert doc["scenario"] == "rpc" and set(doc["tok_s"]) == {"local", "rpc"}
-    assert doc["settings"]["tensor_split"] == [1.0, 2.0] and doc["settings"]["n_gpu_layers"] == 3
+    assert doc["settings"]["n_gpu_layers"] == 3
+    # two servers of one CPU: measured alike they share the blocks by memory; where the machine's
+    # load made one measure more than twice as fast, it takes every block it has room for
+    speeds = doc["settings"]["device_speeds"]
+    alike = len(set(placement.speed_classes(speeds))) == 1
+    fast = speeds.index(max(speeds))
+    assert doc["settings"]["tensor_split"] == ([1.0, 2.0] if alike else [3.0 * (i == fast) for i in range(2)])
     assert [c["claim"].split(" ")[0] for c in doc["claims"]] == ["rpc"]
     # every decode step moves the tiny model's logits (320 floats) back at least
     assert doc["client_bytes_per_decode_step"]["median"] > 320 * 4

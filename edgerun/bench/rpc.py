@@ -122,7 +122,7 @@ def _run(args: argparse.Namespace, say) -> dict:
         # an rpc-server serves one client at a time: each side is a process of its own, in turns, and
         # the in-process Runner that counts the bytes per step is closed before the turns start
         with Runner(model, engine.replace(rpc=",".join(eps)), draft="none") as remote:
-            split = remote.plan.devices
+            split, speeds = remote.plan.devices, [d.speed for d in remote.remote]
             say(f"split: {split.describe()}")
             _reply(remote, 4)
             traffic = [_reply(remote, args.tokens)[1] for _ in range(2)]
@@ -145,7 +145,7 @@ def _run(args: argparse.Namespace, say) -> dict:
     settings = {"model": str(model), "prompt": PROMPT, "spawn": kinds, "mem_gib": mems, "tokens": args.tokens,
                 "repeat": args.repeat, "server_threads": args.server_threads, "threads": engine.n_threads,
                 "split": split.describe(), "tensor_split": split.tensor_split, "n_gpu_layers": split.gpu_layers,
-                "depth": depth}
+                "device_speeds": speeds, "depth": depth}
     return {"settings": settings, "claims": claims, "tok_s": values,
             "sides": {name: spread(v) for name, v in values.items()},
             "client_bytes_per_decode_step": spread(traffic)}
