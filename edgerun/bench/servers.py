@@ -177,13 +177,16 @@ def llama_batched_bench(binary: str, model: Path, threads: int, batches: list[in
 
     ctx = max(batches) * (prompt + gen) + 64
     cmd = [binary, "-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-b", "2048",
-           "-ub", "512", "-ngl", str(ngl), "-npp", str(prompt), "-ntg", str(gen), "-npl", ",".join(map(str, batches)),
-           "--output-format", "jsonl"]
-    # its rows go through llama.cpp's asynchronous log, which can drop the last lines at exit:
-    # a run that lost a batch size's row is run again (at most three times)
-    for _ in range(3):
+           "-ub", "512", "-ngl", str(ngl), "-npp", str(prompt), "-ntg", str(gen), "--output-format", "jsonl"]
+    # its rows go through llama.cpp's asynchronous log, which now and then loses all of a run's
+    # output at exit (a quarter of the runs on a loaded 2-core machine): the batch sizes whose rows
+    # were lost are run again, at most five times
+    got: dict[int, float] = {}
+    for _ in range(6):
+        missing = [b for b in batches if b not in got]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TOOL_S)
+            proc = subprocess.run([*cmd, "-npl", ",".join(map(str, missing))], capture_output=True, text=True,
+                                  timeout=TOOL_S)
         except subprocess.TimeoutExpired:
             raise EdgerunError(f"llama-batched-bench did not finish in {TOOL_S:.0f} s") from None
         if proc.returncode != 0:
@@ -191,7 +194,7 @@ def llama_batched_bench(binary: str, model: Path, threads: int, batches: list[in
             raise EdgerunError(f"llama-batched-bench failed (exit {proc.returncode}): {last}")
         rows = [json.loads(line) for line in (proc.stdout + proc.stderr).splitlines()
                 if line.startswith("{") and '"speed_tg"' in line]
-        got = {int(r["pl"]): float(r["speed_tg"]) for r in rows}
+        got.update({int(r["pl"]): float(r["speed_tg"]) for r in rows})
         if set(batches) <= set(got):
             return got
     raise EdgerunError(f"llama-batched-bench printed no result for batch sizes {sorted(set(batches) - set(got))}")
