@@ -203,7 +203,7 @@ def test_role_gains_predict_the_kld_of_two_roles_quantized_together(tiny_f16, tm
     pair = {c.name: gains.probe_type(c) for c in costs
             if gains.role_of(c.name) in ("attn_v.weight", "ffn_down.weight")}
     predicted = sum(measured[gains.role_of(c.name)] * c.errors[pair[c.name]] for c in costs if c.name in pair)
-    reference = Reference(tiny_f16, calib.read_text(), n_ctx=512, max_chunks=gains.PROBE_CHUNKS,
+    reference = Reference(tiny_f16, calib.read_text(), n_ctx=gains.PROBE_CTX, max_chunks=gains.PROBE_CHUNKS,
                           first=gains.PROBE_FIRST, n_threads=2)
     cheap = quantize(tiny_f16, tmp_path / "cheap.gguf", ftype=gains.PROBE_FTYPE, overrides=pair, imatrix=imatrix)
     rise = reference.compare(gains.Splicer(tiny_f16, cheap).write(set(pair), tmp_path / "both.gguf")).kld_mean

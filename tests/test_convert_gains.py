@@ -22,10 +22,11 @@ def test_role_is_the_name_without_its_layer():
     assert gains.role_of("token_embd.weight") == "token_embd.weight"
 
 
-def test_probe_type_is_the_cheapest_candidate():
+def test_probe_type_is_q4_0_else_the_cheapest_candidate():
     assert gains.probe_type(cost("a", {"Q8_0": 1e-4, "Q2_K": 0.3, "Q4_K": 0.02})) == "Q2_K"
-    # 32-blocks only (rows of 896): Q4_0 (4.5 bpw) is cheaper than Q4_1 (5) and Q8_0 (8.5)
+    assert gains.probe_type(cost("a", {"Q8_0": 1e-4, "Q2_K": 0.3, "Q4_0": 0.04, "Q4_K": 0.02})) == "Q4_0"
     assert gains.probe_type(cost("b", {"Q8_0": 1e-4, "Q4_1": 0.01, "Q4_0": 0.02})) == "Q4_0"
+    assert gains.probe_type(cost("c", {"Q8_0": 1e-4, "Q4_1": 0.01, "Q5_0": 0.008})) == "Q4_1"
 
 
 def test_weigh_scales_each_role_and_keeps_the_order_within_it():
@@ -96,6 +97,26 @@ def test_a_probe_is_the_f16_with_one_role_from_the_cheap_file(tiny_model, tmp_pa
     ref = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=2)
     assert ref.compare(tiny_model).kld_mean == 0.0
     assert ref.compare(probe).kld_mean > 0.0
+
+
+def test_kld_mean_is_compares_mean_kld(tiny_model, tmp_path):
+    """The probes' KL (the reference's side computed once, the quantization's logits read in
+    place) is compare()'s mean KLD, to float rounding; the reference itself scores zero, and a
+    probe loaded with the info it was spliced under scores what it scores validated."""
+    from edgerun.convert.quantize import quantize
+    from edgerun.convert.report import Reference
+    from edgerun.models.gguf_check import inspect
+
+    names = _weights(tiny_model)
+    cheap = quantize(tiny_model, tmp_path / "cheap.gguf", ftype="Q8_0", overrides=dict.fromkeys(names, "Q4_0"),
+                     imatrix=None)
+    probe = gains.Splicer(tiny_model, cheap).write({n for n in names if ".ffn_up." in n}, tmp_path / "probe.gguf")
+    text = (Path(__file__).resolve().parents[1] / "edgerun" / "data" / "calib" / "code.txt").read_text()[:6000]
+    ref = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=2)
+    full = ref.compare(probe).kld_mean
+    assert full > 0 and ref.kld_mean(probe) == pytest.approx(full, rel=1e-4)
+    assert ref.kld_mean(tiny_model) == pytest.approx(0.0, abs=1e-6)
+    assert ref.kld_mean(probe, info=inspect(probe)) == ref.kld_mean(probe)
 
 
 def test_reference_scores_from_its_first_position(tiny_model):

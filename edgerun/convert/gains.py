@@ -3,8 +3,8 @@
 Sensitivity gives every tensor's noise-to-signal ratio per type; those ratios are comparable
 within a role but not across roles: noise in the output head lands in the logits as it is, noise
 in a key projection is diluted by the softmax and the residual stream. So for each role (attn_q,
-ffn_down, output, token_embd, ...) one probe model is made: that role's tensors at their cheapest
-candidate type, everything else as in the F16. Its mean KL divergence from the F16 model on
+ffn_down, output, token_embd, ...) one probe model is made: that role's tensors at their probe
+type (probe_type), everything else as in the F16. Its mean KL divergence from the F16 model on
 calibration text, divided by the role's summed relative error, is the role's gain: KLD per unit
 of relative error. The planner then minimizes predicted KLD, sum(gain[role(t)] * error[t]), which
 is what the report measures.
@@ -12,9 +12,9 @@ is what the report measures.
 llama.cpp quantizes each tensor on its own (its data depends on the tensor, its type and its
 importance alone), so one quantize serves every probe: every tensor at its probe type, and each
 probe is the F16 file with one role's tensors spliced in from it (Splicer). A probe then costs
-one evaluation of one calibration chunk against the F16's logits, computed once, scored from
-position PROBE_FIRST on (about 10 probes for a transformer); the result is cached with the other
-intermediates."""
+one evaluation of the first PROBE_CTX tokens of a calibration chunk, scored from position
+PROBE_FIRST on against the F16's logits, which calibration computed (about 10 probes for a
+transformer); the result is cached with the other intermediates."""
 
 from __future__ import annotations
 
@@ -33,10 +33,19 @@ Progress = Callable[[str, int, int], None]
 
 PROBE_FTYPE = "Q8_0"  # the probe quantize's recipe: every tensor is overridden, this only labels the file
 PROBE_CHUNKS = 1  # calibration chunks each probe is evaluated on
-# first scored position of a probe's chunk: 447 of 512 positions scored, where the report's
-# n_ctx/2 would score 255 (a gain is a ratio of KLDs on the same positions; it needs many
+# tokens of a probe's chunk (at most the calibration's n_ctx): the start of calibration's first
+# chunk, whose logits calibration hands over. A probe's forward pass is most of its cost.
+PROBE_CTX = 256
+# first scored position of a probe's chunk: 239 of 256 positions scored, where the report's
+# n_ctx/2 would score 127 (a gain is a ratio of KLDs on the same positions; it needs many
 # positions, not long contexts)
-PROBE_FIRST = 64
+PROBE_FIRST = 16
+# Every tensor whose rows hold it is probed at Q4_0: its error stands out of the probes' noise
+# in every role, and ggml quantizes it with an imatrix about 4x faster than Q2_K, whose search
+# was half the probe quantize on the 0.5B (its ffn_down rows take k-quants). A gain is the
+# role's KLD per unit of error at either type: on the 0.5B at Q3_K_M's size ffn_down's measured
+# 0.0726 at Q4_0 and 0.0730 at Q2_K, and the plan was the same.
+PROBE_TYPE = "Q4_0"
 MIN_GAIN_SHARE = 0.01  # a role whose probe moved KLD by less than noise gets this share of the median gain
 
 _LAYER = re.compile(r"^blk\.\d+\.")
@@ -48,16 +57,20 @@ def role_of(name: str) -> str:
 
 
 def probe_type(cost: TensorCost) -> str:
-    """The tensor's cheapest candidate type: the one whose error stands out most from the base."""
+    """PROBE_TYPE where it is a candidate, else the tensor's cheapest candidate type (the one
+    whose error stands out most from the base)."""
+    if PROBE_TYPE in cost.errors:
+        return PROBE_TYPE
     return min(cost.errors, key=lambda t: (type_nbytes(t, cost.n_elements), -cost.errors[t]))
 
 
-def measure(f16: Path, costs: Sequence[TensorCost], text: str, *, work: Path, imatrix, n_ctx: int = 512,
+def measure(f16: Path, costs: Sequence[TensorCost], text: str, *, work: Path, imatrix, n_ctx: int = PROBE_CTX,
             chunks: int = PROBE_CHUNKS, first: int = PROBE_FIRST, n_threads: int | None = None,
             progress: Progress | None = None, known: Sequence = ()) -> dict[str, float]:
     """Each role's gain (see the module docstring). `costs` must be relative (noise-to-signal);
     `known`: the F16's logits on calibration chunks, as report.Reference takes them."""
     from edgerun.convert.quantize import quantize
+    from edgerun.models.gguf_check import inspect
 
     roles: dict[str, list[TensorCost]] = {}
     for c in costs:
@@ -78,9 +91,13 @@ def measure(f16: Path, costs: Sequence[TensorCost], text: str, *, work: Path, im
         if progress:
             progress("weigh roles", 2, steps)
         splicer = Splicer(f16, cheap)
+        # a probe is spliced from two validated files (the F16 the reference loaded, the
+        # quantize checked here): it is loaded under the F16's info, not parsed again per probe
+        inspect(cheap)
+        info = dataclasses.replace(inspect(f16), path=probe.resolve())
         for i, role in enumerate(sorted(roles)):
             splicer.write({c.name for c in roles[role]}, probe)
-            kld[role] = reference.compare(probe).kld_mean
+            kld[role] = reference.kld_mean(probe, info=dataclasses.replace(info, size=probe.stat().st_size))
             if progress:
                 progress("weigh roles", 3 + i, steps)
     finally:

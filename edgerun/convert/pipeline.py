@@ -262,8 +262,9 @@ def cached_imatrix(f16: Path, opts: ConvertOptions, work: Path, progress: Progre
             progress("calibrate (cached)", 1, 1)
         return Imatrix.load(path), key
     def on_chunk(i: int, tokens: list[int], ctx) -> None:
-        if keep is not None and i < gains.PROBE_CHUNKS:
-            keep.append((tokens, report.evaluated_logits(ctx, len(tokens), gains.PROBE_FIRST)))
+        if keep is not None and i < gains.PROBE_CHUNKS:  # the probes' chunk: this one's start
+            n = min(len(tokens), _probe_ctx(opts))
+            keep.append((tokens[:n], report.evaluated_logits(ctx, n, gains.PROBE_FIRST)))
 
     imatrix = collect_imatrix(f16, text, n_ctx=opts.n_ctx, max_chunks=opts.calib_chunks,
                               n_threads=opts.n_threads, progress=progress, on_chunk=on_chunk)
@@ -329,17 +330,22 @@ def cached_gains(f16: Path, imatrix, imatrix_key: str, costs: Sequence[TensorCos
     """Each tensor role's measured KLD per unit of relative error, computed once per input. The
     probes use the base types only: a gain is a property of the role, and probing with the
     i-quants' extremes would change the measurement, not the role."""
-    key = _key("gains", _file_id(f16), imatrix_key, list(opts.types), opts.max_rows, opts.n_ctx, gains.PROBE_CHUNKS,
-               gains.PROBE_FIRST)
+    key = _key("gains", _file_id(f16), imatrix_key, list(opts.types), opts.max_rows, _probe_ctx(opts),
+               gains.PROBE_CHUNKS, gains.PROBE_FIRST)
     path = work / f"gains-{key}.json"
     if path.is_file():
         if progress:
             progress("weigh roles (cached)", 1, 1)
         return json.loads(path.read_text())
     measured = gains.measure(f16, only_types(costs, opts.types), calibration_text(opts.calib), work=work / "probe", imatrix=imatrix,
-                             n_ctx=opts.n_ctx, n_threads=opts.n_threads, progress=progress, known=known)
+                             n_ctx=_probe_ctx(opts), n_threads=opts.n_threads, progress=progress, known=known)
     report.write_text_atomic(path, json.dumps(measured, indent=1))
     return measured
+
+
+def _probe_ctx(opts: ConvertOptions) -> int:
+    """The probes' chunk length: gains.PROBE_CTX, within the calibration chunks it is cut from."""
+    return min(gains.PROBE_CTX, opts.n_ctx)
 
 
 def _cost_from_json(d: dict) -> TensorCost:

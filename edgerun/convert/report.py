@@ -116,12 +116,49 @@ class Reference:
 
         acc = _Accumulator()
         with Model(quant_gguf) as quant, Context(quant, self.engine) as ctx:
-            if quant.n_vocab != self.n_vocab:
-                raise ConvertError(f"{quant_gguf} has {quant.n_vocab} tokens but the reference has {self.n_vocab}; "
-                                   "compare a model only with its own quantizations")
+            self._check_vocab(quant_gguf, quant)
             for chunk, ref_logits in zip(self.chunks, self.logits):
                 acc.add(ref_logits, _chunk_logits(ctx, chunk, self.first), np.asarray(chunk[self.first + 1:]))
         return acc.result(len(self.chunks))
+
+    def kld_mean(self, quant_gguf: Path, *, info=None) -> float:
+        """compare()'s mean KLD alone, at a fraction of its math: the reference's side (its
+        log-normalizer and probabilities) is computed once, and each position's
+            KL = sum_v p_ref(v) (log p_ref(v) - log p_quant(v)) = lse_quant - lse_ref - sum_v p_ref(v) (q_v - r_v)
+        takes one exp pass over the quantization's logits, read where llama.cpp left them (no
+        copy). `info`: the file's already validated GGUFInfo (a probe spliced from validated
+        files), else it is validated here."""
+        from edgerun.runtime.engine import Context, Model
+
+        terms = self._kl_terms()
+        total, n = 0.0, 0
+        with Model(quant_gguf, info=info) as quant, Context(quant, self.engine) as ctx:
+            self._check_vocab(quant_gguf, quant)
+            for chunk, ref, (probs, lse_ref) in zip(self.chunks, self.logits, terms):
+                ctx.trim(0)
+                ctx.eval(chunk, all_logits=True)
+                logits = _logits_view(ctx, len(chunk), self.first)
+                for s in range(0, len(ref), _ROWS):
+                    q = logits[s:s + _ROWS]
+                    cross = (probs[s:s + _ROWS] * (q - ref[s:s + _ROWS])).sum(axis=1)
+                    kl = _logsumexp(q) - lse_ref[s:s + _ROWS] - cross
+                    total += float(np.maximum(kl, 0.0).sum())
+                    n += len(kl)
+        return total / n
+
+    def _kl_terms(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per chunk, the reference's probabilities (float32) and log-normalizers (float64)."""
+        if getattr(self, "_terms", None) is None:
+            self._terms = []
+            for ref in self.logits:
+                lse = np.concatenate([_logsumexp(ref[s:s + _ROWS]) for s in range(0, len(ref), _ROWS)])
+                self._terms.append((np.exp(ref - lse[:, None].astype(np.float32)), lse))
+        return self._terms
+
+    def _check_vocab(self, path: Path, quant) -> None:
+        if quant.n_vocab != self.n_vocab:
+            raise ConvertError(f"{path} has {quant.n_vocab} tokens but the reference has {self.n_vocab}; "
+                               "compare a model only with its own quantizations")
 
 
 def _chunks(model, text: str, n_ctx: int, max_chunks: int | None) -> list[list[int]]:
@@ -148,11 +185,22 @@ def _chunk_logits(ctx, tokens: list[int], first: int) -> np.ndarray:
 def evaluated_logits(ctx, n_tokens: int, first: int) -> np.ndarray:
     """A copy of the logits at positions first .. n_tokens-2 of the chunk the context has just
     evaluated with every position's logits."""
+    return _logits_view(ctx, n_tokens, first).copy()
+
+
+def _logits_view(ctx, n_tokens: int, first: int) -> np.ndarray:
+    """evaluated_logits() without the copy: valid until the context's next decode."""
     import llama_cpp
 
     # with every position flagged, llama_get_logits holds one row per token, in batch order
     ptr = llama_cpp.llama_get_logits(ctx.ptr)
-    return np.ctypeslib.as_array(ptr, shape=(n_tokens, ctx.model.n_vocab))[first:-1].copy()
+    return np.ctypeslib.as_array(ptr, shape=(n_tokens, ctx.model.n_vocab))[first:-1]
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    """Per row log(sum(exp(x))), float64 (the sum itself in float32, pairwise)."""
+    top = x.max(axis=1, keepdims=True)
+    return top[:, 0].astype(np.float64) + np.log(np.exp(x - top).sum(axis=1).astype(np.float64))
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
