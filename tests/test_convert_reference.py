@@ -23,9 +23,6 @@ from edgerun.runtime.engine import Context, Model
 from edgerun.settings import EngineSettings
 from testkit.tiny import write_tiny_checkpoint
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
 TOLERANCE = 0.01  # max |llama.cpp - transformers| over the logits' largest magnitude
 SEQ_LEN = 48  # past the gemma fixture's 16-token window, and far enough for rope scaling to matter
 N_SEQUENCES = 3
@@ -87,6 +84,10 @@ def _llama_cpp_logits(gguf: Path, seqs: list[list[int]]) -> list[np.ndarray]:
 
 
 def _transformers_logits(ckpt: Path, seqs: list[list[int]]) -> list[np.ndarray]:
+    # imported here, not at collection: torch and transformers take seconds to import, and every
+    # pytest-xdist worker collects this module
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32,
                                                               attn_implementation="eager")
     model.eval()
