@@ -25,6 +25,7 @@ from edgerun.settings import EngineSettings, SamplerSettings
 
 COST_REPS = 3  # timings per shape at load; the fastest counts ...
 COST_BUDGET_S = 1.0  # ... but no new round of them once this long has gone (a slow CPU: one round)
+NGRAM_SIZES = (16, 32)  # verify batches past K_MAX + 1 timed at load for the n-gram drafter
 CATCH_UP_PROBE = 32  # tokens of draft prefill timed at load: what a catch-up costs per token
 MIN_CTX = 64  # a chat template alone takes about 30 tokens
 
@@ -239,6 +240,11 @@ class Runner:
         # rather than every sample of one; the fastest sample counts (noise only adds time).
         widest = min(governor.K_MAX, k_limit(self.ctx)) + 1  # a verify batch: last + up to k drafts
         shapes = {("verify", n): (self.ctx, n, True) for n in range(1, widest + 1)}
+        if self.spec_config.ngram:
+            # an exact copy drafts in long rounds: whole blocks of llama.cpp's CPU kernels
+            # (governor.BLOCK) up to a batch of 32, so the first reply may go to 63 drafts at once
+            # rather than double its way there (a round each) from 9
+            shapes |= {("verify", n): (self.ctx, n, True) for n in NGRAM_SIZES if n <= k_limit(self.ctx) + 1}
         if self.draft_ctx is not None:
             shapes |= {("draft", 1): (self.draft_ctx, 1, False),
                        ("catch_up", CATCH_UP_PROBE): (self.draft_ctx, CATCH_UP_PROBE, False)}

@@ -341,17 +341,29 @@ def test_verify_time_follows_a_dip_between_measurements():
     s = GovernorState(verify_s=((1, 0.074), (3, 0.134), (4, 0.117), (5, 0.151), (9, 0.237)))
     assert verify_time(s, 4) == 0.117
     assert verify_time(s, 2) == pytest.approx(0.104)  # between its neighbours 1 and 3
-    assert verify_time(s, 7) == pytest.approx(0.151 + 2 * (0.237 - 0.151) / 4)
-    # beyond: from the largest, the cheapest cost per extra token seen (1 -> 4; 5 lies above the hull)
-    assert verify_time(s, 11) == pytest.approx(0.237 + 2 * (0.117 - 0.074) / 3)
+    # 7 is a block of 4 and three rows alone, each costing what the 5th costs past the 4th
+    assert verify_time(s, 7) == pytest.approx(0.117 + 3 * (0.151 - 0.117))
+    # 8 is two blocks: beyond the largest whole-block size (4), the cheapest cost per extra token
+    # among whole blocks (1 -> 4); 11 is 8 and three rows alone
+    assert verify_time(s, 8) == pytest.approx(0.117 + 4 * (0.117 - 0.074) / 3)
+    assert verify_time(s, 11) == pytest.approx(verify_time(s, 8) + 3 * (0.151 - 0.117))
+    # with no size timed past a block's end, no row is priced alone: a line, as between 1 and 3
+    plain = GovernorState(verify_s=((1, 0.074), (4, 0.117), (8, 0.160)))
+    assert verify_time(plain, 6) == pytest.approx(0.117 + 2 * (0.160 - 0.117) / 4)
 
 
 def test_past_the_largest_size_the_cost_follows_the_cheapest_slope():
     """Measured on the 1.5B, one thread: 16 tokens in 1063 ms, 17 in 1354 (the 17th goes through
-    the one-column kernel). The price of 32 goes on from 17 at the slope of 1 -> 16, not 16 -> 17;
-    once 17 ran in a reply, only segments reaching half the largest size count."""
+    the one-column kernel). The price of 32 goes on from 16 (whole blocks) at the slope of
+    1 -> 16, not 16 -> 17; 33 is that and one row alone, as the 17th was. Once 16 ran in a
+    reply, only segments reaching half the largest size count."""
     s = GovernorState(verify_s=((1, 0.271), (4, 0.446), (8, 0.871), (16, 1.063), (17, 1.354)))
-    assert verify_time(s, 32) == pytest.approx(1.354 + 15 * (1.063 - 0.271) / 15)
+    assert verify_time(s, 32) == pytest.approx(1.063 + 16 * (1.063 - 0.271) / 15)
+    assert verify_time(s, 33) == pytest.approx(verify_time(s, 32) + (1.354 - 1.063))
+    # so at full acceptance 31 drafts (a batch of 32) beat 32 drafts
+    s = replace(s, k_max=gov.K_MAX_NGRAM, hopeful=True, draft_step_s=0.0, drafted_rounds=1, warm_rounds=1,
+                verify_seen=(1, 4, 8, 16, 17), by_match=((gov.match_bucket(40), 50.0, 50.0, 9),))
+    assert choose(s, 32, match=40).k == 31
 
 
 def test_a_load_time_plain_timing_is_checked_in_place_before_drafting():
@@ -513,3 +525,25 @@ def test_acceptance_is_learned_per_match_length():
     assert fresh.by_match == s.by_match and choose(fresh, 64, match=40).k >= 7
     assert gov.match_bucket(2) == gov.match_bucket(3) != gov.match_bucket(4)
     assert gov.match_bucket(64) == gov.match_bucket(1000) == gov.MATCH_BUCKETS - 1
+
+
+def cpu_blocks(n: int) -> float:
+    """A 2-core CPU's verify of n tokens with llama.cpp's repacked Q4_K kernels: rows in blocks
+    of 4 at 14 ms a row, each row left over alone at 32 ms (a plain step is one such row and a
+    fixed 45 ms). The shape of the 1.5B's load-time timings: 1..5 tokens in 74, 106, 134, 117,
+    151 ms."""
+    whole = n - n % gov.BLOCK
+    return 0.045 + 0.014 * whole + 0.032 * (n - whole)
+
+
+def test_a_long_copy_on_a_cpu_drafts_whole_blocks_and_goes_to_63_at_once():
+    """With the sizes the runner times at load for the n-gram drafter (1..9, 16, 32), an exact
+    copy drafts 63 (a batch of 64, whole blocks) by its third round (the first two at the
+    acceptance its match class starts from), only sizes of whole blocks, and beats a fixed
+    16-draft lookup (a batch of 17: one row alone) at full acceptance, ramp included."""
+    table = [(n, cpu_blocks(n)) for n in (*range(1, gov.K_MAX + 2), 16, 32)]
+    state = replace(gov.from_costs(gov.Costs(tuple(table), draft_step_s=0.0), warm_rounds=1), hopeful=True)
+    s, ks, rate_ = ngram_reply(state, cpu_blocks, alpha=1.0, rounds=8, match=40)
+    assert 63 in ks[:3] and ks[-1] == 63, ks
+    assert all((k + 1) % gov.BLOCK == 0 for k in ks), ks
+    assert rate_ > 1.15 * 17 / cpu_blocks(17)

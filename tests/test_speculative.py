@@ -14,7 +14,7 @@ from edgerun.decode.generate import Step, generate
 from edgerun.decode.governor import Costs, Kind
 from edgerun.decode.speculative import Round, SpecConfig
 from edgerun.errors import VocabMismatch
-from edgerun.runner import Runner, chat_tokens
+from edgerun.runner import NGRAM_SIZES, Runner, chat_tokens
 from edgerun.runtime.engine import Context, Model
 from edgerun.runtime.vocab import check_pair
 from edgerun.settings import EngineSettings, SamplerSettings
@@ -231,7 +231,8 @@ def test_an_ngram_runner_knows_its_costs_before_the_first_reply(small_model):
     with Runner(small_model, SETTINGS, draft="none", ngram=True) as r:
         state = r.governors.get("ngram")
         assert "model" not in r.governors
-        assert state.draft_step_s == 0.0 and dict(state.verify_s).keys() == set(range(1, governor.K_MAX + 2))
+        sizes = set(range(1, governor.K_MAX + 2)) | set(NGRAM_SIZES)  # and whole blocks for long copies
+        assert state.draft_step_s == 0.0 and dict(state.verify_s).keys() == sizes
         r.governors.put("ngram", governor.from_costs(Costs(CHEAP_VERIFY, draft_step_s=0.0), warm_rounds=1))
         _, _, rounds = _run(r.ctx, r.chat_tokens(_user(code)), GREEDY, 64, r.spec_config, r.governors)
         drafted = [x for x in rounds if x.drafter == "ngram" and x.drafted]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
 from dataclasses import dataclass, replace
 
 K_MAX = 8            # most drafts of a model draft per round (and what load-time timing covers)
@@ -18,6 +19,7 @@ PRIOR_TRIALS = 1.0   # ... worth this many accept/reject decisions
 PROBE_FIRST = 8      # plain rounds before re-checking a draft that lost
 PROBE_MAX = 256      # ... growing up to this while it keeps losing
 PROBE_COST_MAX = 0.02  # a re-check may cost at most this share of plain decoding time in draft catch-up
+BLOCK = 4            # llama.cpp's CPU matmul takes a batch's rows this many at a time (see _lone_row)
 WARM_ROUNDS = 3      # drafted rounds measured before costs may rule a GPU draft out (first shapes run cold)
 
 
@@ -94,8 +96,10 @@ def verify_time(state: GovernorState, n: int) -> float | None:
     For a drafter whose drafts are free (`hopeful`: the n-gram lookup), a size timed only at
     load is a prior taken at its most hopeful: no dearer than one token fewer, until the size
     runs in a reply. So one slow load-time sample cannot keep the governor from ever trying a
-    size; trying it costs one round's verify, and the reply's own timing decides. (given_up and
-    hopeless believe the load-time timings as they are.)"""
+    size; trying it costs one round's verify, and the reply's own timing decides. A size with
+    rows past a block's end is no dearer than its whole blocks and those rows alone, once that
+    row's step is known (_lone_row): the step is the kernels', not a stall. (given_up and hopeless believe the load-time
+    timings as they are.)"""
     return curve(state, n)[n - 1] if n >= 1 else None
 
 
@@ -106,15 +110,38 @@ def curve(state: GovernorState, n_max: int) -> list[float | None]:
     if not table:
         return [None] * n_max
     pts, seen, largest = sorted(table.items()), set(state.verify_seen), max(table)
+    lone = _lone_row(table)
+    # with a lone row's step known, sizes not timed are priced from whole blocks (and one token),
+    # then each row past them alone: a timed 17 says nothing about 32 but through its 16
+    blocks = [p for p in pts if p[0] % BLOCK == 0 or p[0] == 1] if lone else pts
     out = []
     for n in range(1, n_max + 1):
         if n not in table:
-            out.append(_line_pts(pts, n))
+            whole = n - n % BLOCK
+            if lone and whole >= BLOCK and len(blocks) >= 2:
+                out.append((table[whole] if whole in table else _line_pts(blocks, whole)) + (n - whole) * lone)
+            else:
+                out.append(_line_pts(pts, n))
         elif not state.hopeful or n in seen or n - 1 not in table or n >= largest:
             out.append(table[n])
+        elif lone and n % BLOCK and n - n % BLOCK in table:  # no dearer than its blocks and rows alone
+            out.append(min(table[n], table[n - n % BLOCK] + n % BLOCK * lone))
         else:
             out.append(min(table[n], table[n - 1]))
     return out
+
+
+def _lone_row(table: dict[int, float]) -> float:
+    """What a row past the last whole block of BLOCK costs, from sizes timed on both sides of a
+    block's end (n and n + r, n a multiple of BLOCK): the median step per row (one stalled
+    timing among them moves it little), 0 when no pair is timed or the steps cost nothing. llama.cpp's CPU kernels for repacked weights (Q4_K, Q4_0,
+    IQ4_NL) multiply rows in blocks of 4 and each row left over alone, reading all the weights
+    again: a 17-token batch costs the 16 and about a third of a plain step more, and the
+    governor prices a size it has not timed the same way, so it prefers k = 15, 31, 63 where the
+    proposal allows. Where batches cost no such step (a GPU), the timings say 0."""
+    steps = [(table[n + r] - table[n]) / r for n in table if n >= BLOCK and n % BLOCK == 0
+             for r in range(1, BLOCK) if n + r in table]
+    return max(0.0, statistics.median(steps)) if steps else 0.0
 
 
 def _rate_at(costs: list[float | None], alpha: float, draft_step_s: float | None, k: int) -> float | None:
@@ -201,10 +228,12 @@ def for_match(state: GovernorState, match: int | None) -> GovernorState:
     if match is None:
         return state
     bucket = match_bucket(match)
-    for b, accepted_ema, trials_ema, _ in state.by_match:
-        if b == bucket:
-            return replace(state, alpha=accepted_ema / trials_ema)
-    return replace(state, alpha=match_prior(bucket))
+    learned = {b: accepted_ema / trials_ema for b, accepted_ema, trials_ema, _ in state.by_match}
+    # a class without rounds yet: a longer match is at least as likely right as a shorter one,
+    # so an exact copy that held at full acceptance for 8 tokens vouches for the same copy at
+    # 16 before a round of 16 has run (a short reply has few rounds to learn each class in)
+    shorter = max((alpha for b, alpha in learned.items() if b < bucket), default=0.0)
+    return replace(state, alpha=learned.get(bucket, max(match_prior(bucket), shorter)))
 
 
 def rate(state: GovernorState, k: int) -> float | None:
@@ -231,10 +260,12 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
     off = given_up(state, k_cap) if measured else None
     if off:
         return off
-    if state.plain_from_load:
+    if state.plain_from_load and not state.hopeful:
         # a timing taken at load, between other shapes, can be far off (on a GPU: 2.9 ms measured
         # vs 1.8 ms in a reply). Drafting never times a plain step, so one wrong number there
-        # would keep a losing draft on for the whole session: time one real step first.
+        # would keep a losing draft on for the whole session: time one real step first. A
+        # hopeful drafter (the n-gram lookup) times one at every token it has nothing to propose
+        # for, or decides k = 0 on: it drafts at once (on a code edit the first round is a copy).
         return Decision(Kind.MEASURE, 0, "timing a plain step")
     if not measured:
         return Decision(Kind.MEASURE, min(2, k_cap), "measuring the draft")
@@ -248,8 +279,10 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
         if cost >= win:
             return Decision(Kind.PLAIN, 0, f"draft off: catching up {lag} tokens costs {cost:.2f} s, more than"
                                            f" k={best_k} would win in the {horizon} tokens left ({win:.2f} s)")
-    if best_k < k_cap and best_k + 2 not in dict(state.verify_s):
-        # the cost of a longer draft is only extrapolated so far: measure it once
+    table = dict(state.verify_s)
+    if best_k < k_cap and best_k + 2 not in table and not _lone_row(table):
+        # the cost of a longer draft is only extrapolated so far: measure it once (where a row
+        # past a block's end is priced from timings, one more draft is that row: no try)
         return Decision(Kind.MEASURE, best_k + 1,
                         f"trying k={best_k + 1} (k={best_k} expected {best:.1f} vs plain {plain:.1f} tok/s)")
     return Decision(Kind.DRAFT, best_k,

@@ -6,12 +6,18 @@ A proposal runs as far as the earlier text goes, up to k tokens, and stops after
 end-of-generation token (nothing after one is ever kept). With it comes the match length: how
 many tokens before the proposal agree with the tokens before now. A long match is a long exact
 copy in progress, whose next tokens are far more likely right than those after a chance 2-gram;
-the governor keeps its acceptance estimate per match length (governor.match_bucket)."""
+the governor keeps its acceptance estimate per match length (governor.match_bucket).
+
+A copy in progress goes on from where it is: the drafter remembers where its last proposal came
+from, and while the tokens since then are what followed there, the next proposal continues at
+that place. The latest occurrence of the suffix n-gram is often elsewhere (code repeats lines
+like `config.setdefault("`, and the reply itself is indexed too), and a proposal from there
+matches a few tokens and runs a few; of the two, the longer match is proposed."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,6 +35,7 @@ _GAP = -1  # between two sequences of a pool: no token, so no match spans it; no
 class Proposal:
     tokens: list[int]  # what followed the earlier occurrence ([] when nothing matched)
     match: int = 0     # tokens before it that agree with the tokens before now (>= the n-gram's size)
+    start: int = field(default=-1, compare=False)  # where in its source's tokens it starts
 
 
 class _Index:
@@ -58,8 +65,18 @@ class _Index:
             m = n
             while m < MATCH_MAX and m < end and m < len(seq) and self.tokens[end - m - 1] == seq[-m - 1]:
                 m += 1
-            return Proposal(self.tokens[end : end + k], m)
+            return Proposal(self.tokens[end : end + k], m, end)
         return Proposal([])
+
+    def continued(self, seq: list[int], end: int, k: int) -> Proposal:
+        """Up to k tokens from `end` on, if the tokens before `end` agree with seq's last
+        n_min or more (the match counted as find() counts it); an empty proposal if not."""
+        if not 0 < end < len(self.tokens) or end > self.indexed:
+            return Proposal([])
+        m = 0
+        while m < MATCH_MAX and m < end and m < len(seq) and self.tokens[end - m - 1] == seq[-m - 1]:
+            m += 1
+        return Proposal(self.tokens[end : end + k], m, end) if m >= self.n_min else Proposal([])
 
 
 def _cut(found: Proposal, is_stop: Callable[[int], bool] | None) -> Proposal:
@@ -67,7 +84,7 @@ def _cut(found: Proposal, is_stop: Callable[[int], bool] | None) -> Proposal:
     if is_stop is not None:
         stop = next((i for i, t in enumerate(found.tokens) if is_stop(t)), None)
         if stop is not None:
-            return Proposal(found.tokens[: stop + 1], found.match)
+            return Proposal(found.tokens[: stop + 1], found.match, found.start)
     return found
 
 
@@ -83,6 +100,8 @@ class NgramDrafter:
     def reset(self, tokens: Iterable[int]) -> None:
         self.tokens: list[int] = list(tokens)
         self._index = _Index(self.tokens, self.n_max, self.n_min)
+        # where the last proposal came from: (the index it came from, its start, len(tokens) then)
+        self._source: tuple[_Index, int, int] | None = None
 
     def extend(self, tokens: Iterable[int]) -> None:
         self.tokens.extend(tokens)
@@ -99,12 +118,31 @@ class NgramDrafter:
             return Proposal([])
         # the suffix itself (ending at len(tokens)) stays out, so a lookup finds an earlier one
         self._index.index_until(len(seq) - 1)
-        own = _cut(self._index.find(seq, k), self.is_stop)
+        own, at = self._index.find(seq, k), self._index
+        going = self._going_on(seq, k)
+        if going is not None and going[0].match > own.match:
+            own, at = going
+        own = _cut(own, self.is_stop)
         if self.pool is not None and own.match < MATCH_MAX:
             other = self.pool.lookup(seq, k, self.is_stop)
             if other.tokens and other.match >= POOL_MIN_MATCH and other.match > own.match:
-                return other
+                own, at = other, self.pool._index
+        self._source = (at, own.start, len(seq)) if own.tokens else None
         return own
+
+    def _going_on(self, seq: list[int], k: int) -> tuple[Proposal, _Index] | None:
+        """The last proposal's source, moved past the tokens that came since (when they are what
+        followed there): the copy in progress, and the index it is in."""
+        if self._source is None:
+            return None
+        index, start, then = self._source
+        end = start + len(seq) - then
+        found = index.continued(seq, end, k)
+        if not found.tokens:
+            return None
+        if _GAP in found.tokens:  # a pool's sequence ends at its gap
+            found = Proposal(found.tokens[: found.tokens.index(_GAP)], found.match, found.start)
+        return (found, index) if found.tokens else None
 
 
 class NgramPool:
@@ -156,5 +194,5 @@ class NgramPool:
         past the end of the sequence it is in)."""
         found = self._index.find(seq, k)
         if _GAP in found.tokens:  # before is_stop sees it: -1 is no token of the model
-            found = Proposal(found.tokens[: found.tokens.index(_GAP)], found.match)
+            found = Proposal(found.tokens[: found.tokens.index(_GAP)], found.match, found.start)
         return _cut(found, is_stop)
