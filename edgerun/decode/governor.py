@@ -19,7 +19,7 @@ PRIOR_TRIALS = 1.0   # ... worth this many accept/reject decisions
 PROBE_FIRST = 8      # plain rounds before re-checking a draft that lost
 PROBE_MAX = 256      # ... growing up to this while it keeps losing
 PROBE_COST_MAX = 0.02  # a re-check may cost at most this share of plain decoding time in draft catch-up
-BLOCK = 4            # llama.cpp's CPU matmul takes a batch's rows this many at a time (see _lone_row)
+BLOCK = 4            # llama.cpp's CPU matmul takes a batch's rows this many at a time (see lone_row)
 WARM_ROUNDS = 3      # drafted rounds measured before costs may rule a GPU draft out (first shapes run cold)
 
 
@@ -98,7 +98,7 @@ def verify_time(state: GovernorState, n: int) -> float | None:
     runs in a reply. So one slow load-time sample cannot keep the governor from ever trying a
     size; trying it costs one round's verify, and the reply's own timing decides. A size with
     rows past a block's end is no dearer than its whole blocks and those rows alone, once that
-    row's step is known (_lone_row): the step is the kernels', not a stall. (given_up and hopeless believe the load-time
+    row's step is known (lone_row): the step is the kernels', not a stall. (given_up and hopeless believe the load-time
     timings as they are.)"""
     return curve(state, n)[n - 1] if n >= 1 else None
 
@@ -110,7 +110,7 @@ def curve(state: GovernorState, n_max: int) -> list[float | None]:
     if not table:
         return [None] * n_max
     pts, seen, largest = sorted(table.items()), set(state.verify_seen), max(table)
-    lone = _lone_row(table)
+    lone = lone_row(table)
     # with a lone row's step known, sizes not timed are priced from whole blocks (and one token),
     # then each row past them alone: a timed 17 says nothing about 32 but through its 16
     blocks = [p for p in pts if p[0] % BLOCK == 0 or p[0] == 1] if lone else pts
@@ -131,7 +131,7 @@ def curve(state: GovernorState, n_max: int) -> list[float | None]:
     return out
 
 
-def _lone_row(table: dict[int, float]) -> float:
+def lone_row(table: dict[int, float]) -> float:
     """What a row past the last whole block of BLOCK costs, from sizes timed on both sides of a
     block's end (n and n + r, n a multiple of BLOCK): the median step per row (one stalled
     timing among them moves it little), 0 when no pair is timed or the steps cost nothing. llama.cpp's CPU kernels for repacked weights (Q4_K, Q4_0,
@@ -280,7 +280,7 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
             return Decision(Kind.PLAIN, 0, f"draft off: catching up {lag} tokens costs {cost:.2f} s, more than"
                                            f" k={best_k} would win in the {horizon} tokens left ({win:.2f} s)")
     table = dict(state.verify_s)
-    if best_k < k_cap and best_k + 2 not in table and not _lone_row(table):
+    if best_k < k_cap and best_k + 2 not in table and not lone_row(table):
         # the cost of a longer draft is only extrapolated so far: measure it once (where a row
         # past a block's end is priced from timings, one more draft is that row: no try)
         return Decision(Kind.MEASURE, best_k + 1,
