@@ -92,8 +92,8 @@ def test_bad_schemas_and_tool_requests_are_400(tiny, kw, needle):
     assert _ask(tiny, "x", max_tokens=2).choices  # and the server goes on
 
 
-def _parse_stream(text: str, step: int):
-    parser = toolcalls.CallParser()
+def _parse_stream(text: str, step: int, names=()):
+    parser = toolcalls.CallParser(names)
     events = []
     for i in range(0, len(text), step):
         events += parser.feed(text[i:i + step])
@@ -114,6 +114,26 @@ def test_the_call_parser_streams_content_and_calls(step):
         assert streamed == call["arguments"]
     plain, calls = _parse_stream("a < b and <tool", step)  # a partial tag is content once the reply ends
     assert "".join(e.text for e in plain) == "a < b and <tool" and calls == []
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+@pytest.mark.parametrize("opening", ["", "  ", "```json\n", "```\n"])
+def test_a_reply_that_opens_with_a_call_without_tags_is_that_call(step, opening):
+    """Under "auto" the Qwen2.5 coder models write the call bare or in a ```json fence."""
+    call = '{\n  "name": "get_weather",\n  "arguments": {"city": "Oslo {x}", "unit": "c"}\n}'
+    events, calls = _parse_stream(opening + call + ("\n```" if opening.strip() else ""), step, ["get_weather", "get_time"])
+    assert [c["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Oslo {x}", "unit": "c"}
+    assert not [e for e in events if isinstance(e, toolcalls.Content)]
+    assert "".join(e.text for e in events if isinstance(e, toolcalls.CallArgs)) == calls[0]["arguments"]
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+@pytest.mark.parametrize("reply", ['```python\nprint({"name": 1})\n```', '{"name": "Bob", "age": 3}', "``` is a fence",
+                                   '{"name"', "{ not json", "`"])
+def test_text_that_only_looks_like_a_call_stays_content(step, reply):
+    events, calls = _parse_stream(reply, step, ["get_weather"])
+    assert calls == [] and "".join(e.text for e in events) == reply
 
 
 def test_auto_tools_leave_the_reply_free_until_the_tag_then_admit_only_a_call(tiny_model):
@@ -168,9 +188,20 @@ def test_tool_calls_whole_streamed_and_answered(small):
     jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
-    # the call and its result go back through the template; the model answers in text
+    # "auto": the 0.5B writes the call in a ```json fence, not in its template's tags; it is a call
+    auto = _ask(small, question, tools=[WEATHER, TIME], max_tokens=60)
+    assert auto.choices[0].finish_reason == "tool_calls", auto.choices[0].message.content
+    assert auto.choices[0].message.tool_calls[0].function.name == "get_weather"
+    chunks = list(_ask(small, question, tools=[WEATHER, TIME], max_tokens=60, stream=True))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    # the call and its result go back through the template; told to use no more tools, the model
+    # answers in text (left to choose, the 0.5B calls get_weather again)
     model = small.models.list().data[0].id
-    answer = small.chat.completions.create(model=model, temperature=0, max_tokens=30, tools=[WEATHER, TIME], messages=[
+    answer = small.chat.completions.create(model=model, temperature=0, max_tokens=30, tools=[WEATHER, TIME],
+                                           tool_choice="none", messages=[
         {"role": "user", "content": question},
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})}])

@@ -221,7 +221,7 @@ async def _complete(state: ServerState, request: Request, *, chat: bool) -> Resp
         scheduler.submit(job)
     except Overloaded as exc:
         raise APIError(503, str(exc), type="server_error", code="server_overloaded") from None
-    reply = _Reply(req.model, chat, tools=bool(tools))
+    reply = _Reply(req.model, chat, tools=tuple(t["function"]["name"] for t in tools or ()))
     if req.stream:
         return EventSourceResponse(_stream(reply, job, events, req.include_usage), ping=15,
                                    shutdown_grace_period=state.drain_s)  # a shutdown drains
@@ -298,7 +298,7 @@ async def _collect(job: Job, events: asyncio.Queue, request: Request) -> tuple[s
 async def _stream(reply: "_Reply", job: Job, events: asyncio.Queue, include_usage: bool) -> AsyncIterator[str]:
     if reply.chat:
         yield json.dumps(reply.chunk(role=True))
-    calls = toolcalls.CallParser() if reply.tools else None
+    calls = toolcalls.CallParser(reply.tools) if reply.tools else None
     async for event in _events(job, events):
         if isinstance(event, Delta) and calls is not None:
             for part in calls.feed(event.text):
@@ -326,7 +326,7 @@ def _finish_reason(done: Done, called: bool) -> str:
 class _Reply:
     """The response objects of one request, chat or text completion."""
 
-    def __init__(self, model: str, chat: bool, tools: bool = False):
+    def __init__(self, model: str, chat: bool, tools: tuple[str, ...] = ()):
         self.model, self.chat, self.tools = model, chat, tools
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -345,7 +345,7 @@ class _Reply:
 
     def whole(self, text: str, done: Done) -> dict:
         if self.chat and self.tools:
-            content, calls = toolcalls.parse_reply(text)
+            content, calls = toolcalls.parse_reply(text, self.tools)
             message = {"role": "assistant", "content": content or None}
             if calls:
                 message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {

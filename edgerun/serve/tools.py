@@ -4,8 +4,11 @@ Qwen2.5's chat template (and the Hermes format it follows) tells the model to an
 `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`. The grammar here admits exactly
 that for the request's tools, with each tool's arguments following its parameters' JSON schema:
 from the first token for tool_choice "required" or a named function, and from the moment the
-model writes `<tool_call>` for "auto" (a lazy grammar: the reply is free text until then).
-CallParser turns the reply's text back into content and OpenAI tool calls, as it streams."""
+model writes `<tool_call>` for "auto" (a lazy grammar: the reply is free text until then). Under
+"auto" the Qwen2.5 coder models often open their reply with the call itself instead, bare or in a
+```json fence (the 0.5B and the 1.5B both do on a plain weather question); llama.cpp's own Hermes
+parser takes those openings too, and so do the trigger and CallParser here. CallParser turns the
+reply's text back into content and OpenAI tool calls, as it streams."""
 
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # bare literal keeps each search linear in the output; one wrapped in [\s\S]*? ... [\s\S]* backtracks
 # from every start, quadratic per token (142 ms a token by the 1,000th token of a free reply).
 TRIGGER = r"(<tool_call>)"
+# a reply that opens with a call without the tags: anchored at the reply's start, so as cheap
+BARE_TRIGGER = r'^\s*(?:```(?:json)?\s*)?(\{\s*"name")'
+_BARE = re.compile(r'\s*(?:```(?:json)?\s*)?(\{\s*"name"\s*:\s*"([^"\\]*)")')
 
 
 def supports_tools(template: str | None) -> bool:
@@ -51,10 +57,14 @@ def tool_constraint(tools: list[dict], choice, parallel: bool = True) -> Constra
     # the converter's root is one call's JSON; the reply is one call or more, each in its tags (the
     # rule's line renamed: a literal may hold the same text, but never at a line's start)
     body = re.sub(r"^root ::= ", "call-json ::= ", body, count=1, flags=re.MULTILINE)
+    # a bare call is written before the grammar takes over (its trigger needs `{"name"`), and the
+    # models lay a call out on lines: the spacing between tokens is llama.cpp's own converter's
+    body = re.sub(r"^space ::= .*$", lambda _: r'space ::= | " " | "\n" [ \t]{0,20}', body, count=1, flags=re.MULTILINE)
     many = ' ("\\n" call)*' if parallel and not isinstance(choice, dict) else ""
-    gbnf = (f'root ::= call{many}\ncall ::= "{OPEN}\\n" call-json "\\n{CLOSE}"\n' + body)
     lazy = choice == "auto" or choice is None
-    return Constraint(gbnf, "the tools' grammar", (TRIGGER,) if lazy else ())
+    bare = " | call-json" if lazy else ""  # what BARE_TRIGGER hands over: the call's JSON from its brace
+    gbnf = (f'root ::= call{many}{bare}\ncall ::= "{OPEN}\\n" call-json "\\n{CLOSE}"\n' + body)
+    return Constraint(gbnf, "the tools' grammar", (TRIGGER, BARE_TRIGGER) if lazy else ())
 
 
 def response_constraint(response_format: dict | None) -> Constraint | None:
@@ -93,18 +103,31 @@ class CallArgs:
 class CallParser:
     """The reply's text, fed as it streams, split into content and tool calls. Text that might be the
     start of a `<tool_call>` tag is held until it is known; a call's arguments stream once its name
-    is read, and end where their JSON object does."""
+    is read, and end where their JSON object does. A reply that opens with a call to one of `names`
+    without the tags (bare or in a ```json fence) is that call: its opening is held until known."""
 
-    def __init__(self):
+    def __init__(self, names=()):
         self.buf = ""
+        self.names = set(names)
         self.calls: list[dict] = []  # {"id", "name", "arguments"} in order
         self._in_call = False
+        self._bare = False  # the call has no tags: it ends where its JSON object does
+        self._opening = bool(self.names)  # the reply's start, until known to be a bare call or not
         self._args_from: int | None = None  # where the arguments start in buf
         self._sent = 0  # argument characters streamed
 
     def feed(self, text: str) -> list[Content | CallStart | CallArgs]:
         self.buf += text
         out: list[Content | CallStart | CallArgs] = []
+        if self._opening:
+            bare = _BARE.match(self.buf)
+            if bare and bare.group(2) in self.names:
+                self.buf, self._in_call, self._bare = self.buf[bare.start(1):], True, True
+                self._opening = False
+            elif not bare and _could_open(self.buf):
+                return out
+            else:
+                self._opening = False
         while True:
             if not self._in_call:
                 at = self.buf.find(OPEN)
@@ -148,17 +171,44 @@ class CallParser:
         if end > self._sent:
             out.append(CallArgs(len(self.calls) - 1, text[self._sent:end]))
             call["arguments"] += text[self._sent:end]
-        close = self.buf.find(CLOSE)
+        tag = "}" if self._bare else CLOSE  # a bare call ends with the brace around name and arguments
+        at = len(self.buf) - len(text) + end  # the arguments' end in buf
+        close = self.buf.find(tag, at)
         if close < 0:
             self._sent = end
             return False
-        self.buf, self._in_call = self.buf[close + len(CLOSE):], False
+        self.buf, self._in_call = self.buf[close + len(tag):], False
         return True
 
     def finish(self) -> list[Content]:
         """The reply ended: text held back as a possible tag start is content after all."""
         tail, self.buf = self.buf, ""
         return [Content(tail)] if tail and not self._in_call and not self.calls else []
+
+
+def _could_open(text: str) -> bool:
+    """Whether more text could make this reply's start a bare call's opening (_BARE)."""
+    t = text.lstrip()
+    if "```json".startswith(t):
+        return True
+    fence = next((f for f in ("```json", "```") if t.startswith(f)), "")
+    body = t[len(fence):].lstrip()
+    if not body:
+        return True
+    if body[0] != "{":
+        return False
+    key = body[1:].lstrip()
+    if '"name"'.startswith(key):
+        return True
+    if not key.startswith('"name"'):
+        return False
+    rest = key[len('"name"'):].lstrip()
+    if not rest:
+        return True
+    if rest[0] != ":":
+        return False
+    value = rest[1:].lstrip()
+    return not value or (value[0] == '"' and '"' not in value[1:])
 
 
 def _name_of(head: str) -> str:
@@ -177,8 +227,8 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def parse_reply(text: str) -> tuple[str, list[dict]]:
+def parse_reply(text: str, names=()) -> tuple[str, list[dict]]:
     """A whole reply as (content, tool calls)."""
-    parser = CallParser()
+    parser = CallParser(names)
     parts = [e.text for e in parser.feed(text) + parser.finish() if isinstance(e, Content)]
     return "".join(parts), parser.calls
