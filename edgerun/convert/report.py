@@ -96,6 +96,7 @@ class Reference:
 
         self.engine = EngineSettings().replace(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=n_threads)
         self.first = n_ctx // 2 if first is None else first
+        self._terms: list[tuple[np.ndarray, np.ndarray]] | None = None  # kld_mean's reference side, made once
         if not 0 <= self.first < n_ctx - 1:
             raise ConvertError(f"the first scored position {self.first} is outside a chunk of {n_ctx} tokens")
         with Model(ref_gguf) as ref:
@@ -148,7 +149,7 @@ class Reference:
 
     def _kl_terms(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per chunk, the reference's probabilities (float32) and log-normalizers (float64)."""
-        if getattr(self, "_terms", None) is None:
+        if self._terms is None:
             self._terms = []
             for ref in self.logits:
                 lse = np.concatenate([_logsumexp(ref[s:s + _ROWS]) for s in range(0, len(ref), _ROWS)])

@@ -62,21 +62,31 @@ class _Index:
             end = self.last_end.get(tuple(seq[-n:]))
             if end is None:
                 continue
-            m = n
-            while m < MATCH_MAX and m < end and m < len(seq) and self.tokens[end - m - 1] == seq[-m - 1]:
-                m += 1
-            return Proposal(self.tokens[end : end + k], m, end)
+            return Proposal(self.tokens[end : end + k], self._agreeing(seq, end, n), end)
         return Proposal([])
+
+    def _agreeing(self, seq: list[int], end: int, m: int = 0) -> int:
+        """How many tokens before `end` agree with seq's last ones (the first m known to), up to
+        MATCH_MAX."""
+        while m < MATCH_MAX and m < end and m < len(seq) and self.tokens[end - m - 1] == seq[-m - 1]:
+            m += 1
+        return m
 
     def continued(self, seq: list[int], end: int, k: int) -> Proposal:
         """Up to k tokens from `end` on, if the tokens before `end` agree with seq's last
         n_min or more (the match counted as find() counts it); an empty proposal if not."""
         if not 0 < end < len(self.tokens) or end > self.indexed:
             return Proposal([])
-        m = 0
-        while m < MATCH_MAX and m < end and m < len(seq) and self.tokens[end - m - 1] == seq[-m - 1]:
-            m += 1
+        m = self._agreeing(seq, end)
         return Proposal(self.tokens[end : end + k], m, end) if m >= self.n_min else Proposal([])
+
+
+def _before_gap(found: Proposal) -> Proposal:
+    """The proposal up to a pool sequence's end (its gap; before is_stop sees it: -1 is no token
+    of the model)."""
+    if _GAP in found.tokens:
+        return Proposal(found.tokens[: found.tokens.index(_GAP)], found.match, found.start)
+    return found
 
 
 def _cut(found: Proposal, is_stop: Callable[[int], bool] | None) -> Proposal:
@@ -140,8 +150,7 @@ class NgramDrafter:
         found = index.continued(seq, end, k)
         if not found.tokens:
             return None
-        if _GAP in found.tokens:  # a pool's sequence ends at its gap
-            found = Proposal(found.tokens[: found.tokens.index(_GAP)], found.match, found.start)
+        found = _before_gap(found)
         return (found, index) if found.tokens else None
 
 
@@ -192,7 +201,4 @@ class NgramPool:
     def lookup(self, seq: list[int], k: int, is_stop: Callable[[int], bool] | None = None) -> Proposal:
         """What followed the longest suffix n-gram of `seq` in the pool, up to k tokens (and not
         past the end of the sequence it is in)."""
-        found = self._index.find(seq, k)
-        if _GAP in found.tokens:  # before is_stop sees it: -1 is no token of the model
-            found = Proposal(found.tokens[: found.tokens.index(_GAP)], found.match, found.start)
-        return _cut(found, is_stop)
+        return _cut(_before_gap(self._index.find(seq, k)), is_stop)

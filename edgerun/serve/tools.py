@@ -28,8 +28,9 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # from every start, quadratic per token (142 ms a token by the 1,000th token of a free reply).
 TRIGGER = r"(<tool_call>)"
 # a reply that opens with a call without the tags: anchored at the reply's start, so as cheap
-BARE_TRIGGER = r'^\s*(?:```(?:json)?\s*)?(\{\s*"name")'
-_BARE = re.compile(r'\s*(?:```(?:json)?\s*)?(\{\s*"name"\s*:\s*"([^"\\]*)")')
+_FENCE = r'\s*(?:```(?:json)?\s*)?'  # what may come before a bare call's brace
+BARE_TRIGGER = rf'^{_FENCE}(\{{\s*"name")'
+_BARE = re.compile(rf'{_FENCE}(\{{\s*"name"\s*:\s*"([^"\\]*)")')
 
 
 def supports_tools(template: str | None) -> bool:
