@@ -264,6 +264,42 @@ def test_a_full_queue_is_answered_503(tiny_model):
         assert error["code"] == "server_overloaded" and "queue is full" in error["message"] and "\n" not in error["message"]
 
 
+def test_a_step_fills_the_waiting_prompts_within_its_budget(tiny_model):
+    """The engine's steps driven one by one (its thread not started): prompts that wait together
+    get their first tokens from one step, and a prompt longer than the budget fills a chunk per
+    step while the running replies each get a token from every step."""
+    from edgerun.runner import Runner
+    from edgerun.serve.metrics import Metrics
+    from edgerun.serve.scheduler import Job, Scheduler
+    from edgerun.settings import EngineSettings, SamplerSettings
+
+    with Runner(tiny_model, EngineSettings(n_ctx=512, n_threads=1, n_seq=4)) as runner:
+        metrics = Metrics()
+        sched = Scheduler(runner, metrics, queue_limit=4, step_tokens=40, solo=False)
+        evaluated = lambda: metrics.registry.get_sample_value("edgerun_prompt_tokens_evaluated_total")
+
+        def job(prompt: list[int]) -> Job:
+            j = Job(prompt, SamplerSettings(temperature=0.0), 64, [], sink=lambda _event: None)
+            sched.submit(j)
+            return j
+
+        short = [job(list(range(10 + 3 * i, 20 + 3 * i))) for i in range(3)]  # 10 tokens each
+        sched._admit()
+        sched._step()
+        assert all(j.last is not None and len(j.tokens) == 1 for j in short)
+        assert evaluated() == 30
+
+        long = job(list(range(100, 190)))  # 90 tokens: 37 a step beside the three running replies
+        sched._admit()
+        for n in (1, 2):
+            sched._step()
+            assert long.last is None and len(runner.ctx.held(long.seq)) == 37 * n
+            assert all(len(j.tokens) == 1 + n for j in short)
+        sched._step()
+        assert long.last is not None and len(runner.ctx.held(long.seq)) == 90 and evaluated() == 120
+        assert all(len(j.tokens) == 4 for j in short)
+
+
 def test_clients_that_hang_up_mid_stream_free_their_slots(server, client):
     """200 requests, most dropped after their first tokens: afterwards nothing runs, the KV held
     by running requests is back to zero, the server answers, and its memory stayed bounded."""

@@ -1,12 +1,12 @@
 """The server's engine: one llama.cpp context shared by up to `parallel` sequences (slots),
 driven by one thread that never waits on the event loop.
 
-Each step decodes one batch: the next token of every running reply plus a chunk of at most one
-pending prompt (continuous batching with chunked prefill), so a long prompt costs the running
-streams a few chunk-sized steps, not its whole prefill. A reply alone on the server goes through
-the same decode loop as `edgerun run` (generate(), with the n-gram drafter or the draft model and
-the governor); when another request arrives it is handed over, between two rounds, to the batched
-steps, which decode plainly. A finished reply's slot keeps its KV as a prompt cache: a new request
+Each step decodes one batch: the next token of every running reply plus chunks of the pending
+prompts, oldest first, within a token budget (continuous batching with chunked prefill), so a long
+prompt costs the running streams a few budget-sized steps, not its whole prefill. A reply alone
+on the server goes through the same decode loop as `edgerun run` (generate(), with the n-gram
+drafter or the draft model and the governor); when another request arrives it is handed over,
+between two rounds, to the batched steps, which decode plainly. A finished reply's slot keeps its KV as a prompt cache: a new request
 takes the idle slot whose cache shares the longest prefix with its prompt (of those alike, the
 lowest numbered), or copies a running slot's prefix when that is longer.
 
@@ -235,20 +235,28 @@ class Scheduler:
             self._finish(job, None if job.text.finish else ("cancelled" if job.cancel.is_set() else "length"))
 
     def _step(self) -> None:
-        """One batch: every running reply's newest token, and a chunk of the oldest pending prompt."""
+        """One batch: every running reply's newest token, then chunks of the pending prompts, the
+        oldest first, up to the step's token budget. Prompts that arrive together (a burst of
+        clients, or replies that ended in the same step) fill in one pass over the weights, not one
+        step each."""
         rows, decoding = [], []
         for job in self._active:
             if job.last is not None:
                 rows.append((job.seq, [job.last], True))
                 decoding.append(job)
-        filling = next((j for j in self._active if j.last is None), None)
         budget = self.step_tokens - len(rows)
-        final = False
-        if filling is not None and budget > 0:
-            rest = filling.prompt[len(self.ctx.held(filling.seq)):]
+        filled = []  # (job, row) of the prompts whose last chunk is in this batch
+        for job in self._active:
+            if budget <= 0:
+                break
+            if job.last is not None:
+                continue
+            rest = job.prompt[len(self.ctx.held(job.seq)):]
             chunk = rest[:budget]
-            final = len(chunk) == len(rest)
-            rows.append((filling.seq, chunk, final))
+            if len(chunk) == len(rest):
+                filled.append((job, len(rows)))
+            rows.append((job.seq, chunk, len(chunk) == len(rest)))
+            budget -= len(chunk)
             self.metrics.prompt_tokens.inc(len(chunk))
         try:
             outputs = self.ctx.decode_rows(rows)
@@ -258,8 +266,8 @@ class Scheduler:
             raise
         for job, i in zip(decoding, outputs):
             self._pick(job, i)
-        if final:
-            self._pick(filling, outputs[-1])
+        for job, row in filled:
+            self._pick(job, outputs[row])
 
     def _pick(self, job: Job, output: int) -> None:
         history = job.sampling.penalty_window(self.ctx.held(job.seq))
