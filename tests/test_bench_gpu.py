@@ -1,5 +1,7 @@
-"""The GPU scenarios' parts that run anywhere: the random-weight shape writer (a small shape, the
-real vocabulary), the `edgerun run` and llama-bench sides on it, and one-line refusals."""
+"""The GPU scenarios' parts that run anywhere: the random-weight shape writer (a small shape with a
+small vocabulary; with the real one in the model tier), the `edgerun run` and llama-bench sides on
+it, and one-line refusals."""
+import dataclasses
 import shutil
 
 import pytest
@@ -9,8 +11,17 @@ from edgerun.errors import ConfigError, EngineError
 from edgerun.models.gguf_check import inspect
 from testkit.cli import run_cli
 
-# k-quants need rows of 256: the smallest shape Q4_K_M takes, with the real 151,936-token vocabulary
-SMALL = shapes.Shape(n_embd=256, n_ff=512, n_layer=2, n_head=4, n_head_kv=2, tied=False)
+# k-quants need rows of 256: the smallest shape Q4_K_M takes. Its vocabulary holds the 256 byte
+# tokens, filler and the control tokens; a Q4_K_M of the real 151,936 rows takes seconds of every
+# core, so the shape with the real vocabulary is written in the model tier.
+SMALL = shapes.Shape(n_embd=256, n_ff=512, n_layer=2, n_head=4, n_head_kv=2, tied=False, n_vocab=512)
+REAL_VOCAB = dataclasses.replace(SMALL, n_vocab=shapes.N_VOCAB)
+
+
+def n_weights(s: shapes.Shape) -> int:
+    kv = s.n_head_kv * (s.n_embd // s.n_head)
+    block = 2 * s.n_embd * s.n_embd + 2 * kv * s.n_embd + 3 * s.n_ff * s.n_embd  # q, output; k, v; ffn
+    return s.n_layer * block + s.n_vocab * s.n_embd * (1 if s.tied else 2)
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +33,27 @@ def small_shape(tmp_path_factory):
 def test_a_shape_is_a_q4_k_m_qwen2_of_its_dimensions(small_shape):
     info = inspect(small_shape)
     assert info.arch == "qwen2"
-    assert (info.n_embd, info.n_layers, info.n_vocab) == (256, 2, shapes.N_VOCAB)
+    assert (info.n_embd, info.n_layers, info.n_vocab) == (256, 2, SMALL.n_vocab)
     assert not list(small_shape.parent.glob(".*")), "the F16 and partial files are removed"
+    # quantized: under half the F16's two bytes a weight
+    assert small_shape.stat().st_size < n_weights(SMALL) * 2 / 2
+
+
+def test_the_benchmarked_shapes_have_the_real_vocabulary():
+    assert {s.n_vocab for s in shapes.SHAPES.values()} == {shapes.N_VOCAB}
+
+
+@pytest.mark.model  # no catalog model, but a real one's vocabulary: its Q4_K_M takes seconds
+@pytest.mark.slow
+def test_a_shape_with_the_real_vocabulary_is_written_and_decodes(tmp_path):
+    shape = shapes.write(REAL_VOCAB, tmp_path / "shape-real-vocab-q4_k_m.gguf", "shape-real-vocab")
+    info = inspect(shape)
+    assert (info.arch, info.n_embd, info.n_layers, info.n_vocab) == ("qwen2", 256, 2, shapes.N_VOCAB)
+    assert not list(tmp_path.glob(".*")), "the F16 and partial files are removed"
     # quantized: under half the F16's two bytes a weight for the embedding and the head alone
-    assert small_shape.stat().st_size < (2 * shapes.N_VOCAB * 256) * 2 / 2
+    assert shape.stat().st_size < (2 * shapes.N_VOCAB * 256) * 2 / 2
+    stats = gpu.edgerun_run(shape, "--gpu-layers", "0", "--threads", "1", tokens=8)
+    assert stats["generated_tokens"] >= 1 and stats["prompt_tokens"] == len(gpu.PROMPT.encode())
 
 
 @pytest.mark.slow

@@ -19,6 +19,10 @@ from pathlib import Path
 from edgerun.errors import ConfigError
 
 
+N_VOCAB = 151936  # Qwen2.5's vocabulary
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
 @dataclass(frozen=True)
 class Shape:
     n_embd: int
@@ -27,6 +31,7 @@ class Shape:
     n_head: int
     n_head_kv: int
     tied: bool  # the output head shares the token embedding (no output.weight)
+    n_vocab: int = N_VOCAB  # the benchmarked shapes keep the real one; a test's shape may be smaller
 
 
 SHAPES = {  # Qwen2.5: the models' config.json
@@ -34,8 +39,6 @@ SHAPES = {  # Qwen2.5: the models' config.json
     "1.5b": Shape(1536, 8960, 28, 12, 2, False),
     "7b": Shape(3584, 18944, 28, 28, 4, False),
 }
-N_VOCAB = 151936
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def names(text: str) -> list[str]:
@@ -71,22 +74,23 @@ def write(shape: Shape, final: Path, name: str) -> Path:
     return final
 
 
-def _vocab(writer) -> None:
-    """A byte-level BPE vocabulary of the real size: llama.cpp needs one to load and tokenize, and
-    the output head's 151,936 rows are a large part of a small model's decode step."""
+def _vocab(writer, n_vocab: int) -> None:
+    """A byte-level BPE vocabulary of n_vocab tokens (the real size for the benchmarked shapes):
+    llama.cpp needs one to load and tokenize, and the output head's 151,936 rows are a large part
+    of a small model's decode step."""
     from gguf import TokenType
 
     printable = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 173)] + [chr(c) for c in range(174, 256)]
     shifted = [chr(256 + i) for i in range(256 - len(printable))]  # GPT-2's byte-to-unicode map
     tokens = printable + shifted
-    tokens += [f"tok{i}" for i in range(N_VOCAB - len(tokens) - len(SPECIALS))] + SPECIALS
+    tokens += [f"tok{i}" for i in range(n_vocab - len(tokens) - len(SPECIALS))] + SPECIALS
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
-    writer.add_token_types([TokenType.NORMAL] * (N_VOCAB - len(SPECIALS)) + [TokenType.CONTROL] * len(SPECIALS))
+    writer.add_token_types([TokenType.NORMAL] * (n_vocab - len(SPECIALS)) + [TokenType.CONTROL] * len(SPECIALS))
     writer.add_token_merges(["t o"])
-    writer.add_eos_token_id(N_VOCAB - 1)
-    writer.add_bos_token_id(N_VOCAB - 3)
+    writer.add_eos_token_id(n_vocab - 1)
+    writer.add_bos_token_id(n_vocab - 3)
     writer.add_add_bos_token(False)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
                              "{% endfor %}<|im_start|>assistant\n")
@@ -118,11 +122,11 @@ def _write_f16(s: Shape, name: str, out: Path) -> None:
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    _vocab(w)
-    w.add_tensor("token_embd.weight", weight(N_VOCAB, s.n_embd))
+    _vocab(w, s.n_vocab)
+    w.add_tensor("token_embd.weight", weight(s.n_vocab, s.n_embd))
     w.add_tensor("output_norm.weight", vector(s.n_embd, 1.0))
     if not s.tied:
-        w.add_tensor("output.weight", weight(N_VOCAB, s.n_embd))
+        w.add_tensor("output.weight", weight(s.n_vocab, s.n_embd))
     for i in range(s.n_layer):
         b = f"blk.{i}."
         for role, rows, cols in (("attn_q", s.n_embd, s.n_embd), ("attn_k", kv, s.n_embd), ("attn_v", kv, s.n_embd)):
