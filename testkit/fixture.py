@@ -22,7 +22,9 @@ from gguf import GGUFReader
 from edgerun.convert.atomic import publish, temp_name
 from edgerun.convert.hf_reader import HF_CLASS, HF_MODEL_TYPE, SUPPORTED_ARCHS
 from edgerun.errors import ConvertError
+from testkit import weights
 from testkit.fixture_vocab import field, tokenizer_files
+from testkit.weights import Stored
 
 Progress = Callable[[str, int, int], None]
 DTYPES = ("bf16", "f16")
@@ -147,28 +149,22 @@ def hf_tensor(reader: GGUFReader, arch: str, t: gguf.ReaderTensor) -> np.ndarray
     return w
 
 
-def _tensors(reader: GGUFReader, arch: str, dtype: str, progress: Progress | None) -> Iterator[tuple[str, Any]]:
-    import torch
-
+def _tensors(reader: GGUFReader, arch: str, dtype: str, progress: Progress | None) -> Iterator[tuple[str, Stored]]:
     n_blocks = int(field(reader, f"{arch}.block_count"))
     names = hf_names(arch, n_blocks)
-    torch_dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[dtype]
     for i, t in enumerate(reader.tensors):
         base, _, suffix = t.name.rpartition(".")
         if base not in names:
             raise ConvertError(f"GGUF tensor {t.name!r} has no HF name for {arch}; the fixture cannot write it")
         w = hf_tensor(reader, arch, t)
         # norms and biases stay float32 in HF checkpoints; matrices take the checkpoint dtype
-        value = torch.from_numpy(w)
-        yield f"{names[base]}.{suffix}", value if w.ndim == 1 else value.to(torch_dtype)
+        yield f"{names[base]}.{suffix}", weights.stored(w, "f32" if w.ndim == 1 else dtype)
         if progress:
             progress("dequantize", i + 1, len(reader.tensors))
 
 
-def _write_shards(root: Path, tensors: Iterator[tuple[str, Any]], shard_bytes: int) -> None:
-    from safetensors.torch import save_file
-
-    current: dict[str, Any] = {}
+def _write_shards(root: Path, tensors: Iterator[tuple[str, Stored]], shard_bytes: int) -> None:
+    current: dict[str, Stored] = {}
     size = 0
     names: list[list[str]] = []
 
@@ -176,15 +172,15 @@ def _write_shards(root: Path, tensors: Iterator[tuple[str, Any]], shard_bytes: i
         nonlocal current, size
         if current:
             path = root / f"part-{len(names):05d}.safetensors"
-            save_file(current, str(path), metadata={"format": "pt"})
+            weights.save(path, current, metadata={"format": "pt"})
             names.append(list(current))
             current, size = {}, 0
 
     for name, value in tensors:
-        nbytes = value.numel() * value.element_size()
+        nbytes = value[0].nbytes
         if current and size + nbytes > shard_bytes:
             flush()
-        current[name] = value.contiguous()
+        current[name] = value
         size += nbytes
     flush()
     if len(names) == 1:

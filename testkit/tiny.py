@@ -13,6 +13,7 @@ from gguf.vocab import bytes_to_unicode
 
 from edgerun.convert.hf_reader import HF_CLASS, HF_MODEL_TYPE
 from edgerun.convert.hf_vocab import PRE_TOKENIZER_REGEX
+from testkit.weights import save, stored
 
 _WORDS = ("the", "and", "def", "return", "print", "import", "class", "self", "for", "in", "is", "of", "to")
 SPM_SPACE = "\u2581"
@@ -137,9 +138,6 @@ def write_tiny_checkpoint(out_dir: Path, arch: str, *, seed: int = 0, n_layers: 
     bias: q/k/v biases (default: qwen2 only); tie: tied output head (default: all but llama);
     n_ctx: the context it declares (max_position_embeddings); head_scale: multiplies an untied
     head, so logits of that scale make the next-token distribution peaked rather than flat."""
-    import torch
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok, tok_config = unigram_tokenizer() if arch == "gemma3" else bpe_tokenizer()
@@ -147,9 +145,8 @@ def write_tiny_checkpoint(out_dir: Path, arch: str, *, seed: int = 0, n_layers: 
     n_vocab = n_tokens if arch == "gemma3" else (n_tokens + 31) // 32 * 32  # BPE: padded rows, as Qwen does
     config = _config(arch, n_vocab, n_layers, arch != "llama" if tie is None else tie, n_ctx)
     weights = _weights(config, arch, arch == "qwen2" if bias is None else bias, np.random.default_rng(seed), head_scale)
-    torch_dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[dtype]
-    tensors = {k: torch.from_numpy(a).to(torch_dtype if a.ndim == 2 else torch.float32) for k, a in weights.items()}
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {k: stored(a, dtype if a.ndim == 2 else "f32") for k, a in weights.items()}
+    save(out_dir / "model.safetensors", tensors, metadata={"format": "pt"})
     for name, value in (("config.json", config), ("tokenizer.json", tok), ("tokenizer_config.json", tok_config)):
         (out_dir / name).write_text(json.dumps(value, ensure_ascii=False, indent=1), encoding="utf-8")
     return out_dir

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import gguf
 import pytest
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from edgerun.convert.source import prepare_f16
+from testkit import weights
 from testkit.cli import one_line_error, run_cli
 from testkit.tiny import write_tiny_checkpoint
 
@@ -29,12 +28,11 @@ SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 def sharded_checkpoint(root: Path) -> Path:
     """A tiny qwen2 checkpoint whose weights are two shards and an index, as the hub has them."""
     src = write_tiny_checkpoint(root, "qwen2")
-    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    tensors = weights.load(src / "model.safetensors")
     names = sorted(tensors)
     groups = dict(zip(SHARDS, (names[: len(names) // 2], names[len(names) // 2:])))
     for shard, group in groups.items():
-        save_file({n: tensors[n] for n in group}, str(src / shard), metadata={"format": "pt"})
+        weights.save(src / shard, {n: tensors[n] for n in group}, metadata={"format": "pt"})
     (src / "model.safetensors").unlink()
     weight_map = {n: shard for shard, group in groups.items() for n in group}
     write_index(src, {"metadata": {}, "weight_map": weight_map})

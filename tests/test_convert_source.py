@@ -15,10 +15,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
+from testkit import weights
 from testkit.fixture_vocab import field
 from edgerun.convert.source import SUPPORTED_ARCHS, prepare_f16
 from testkit.tiny import write_tiny_checkpoint
@@ -93,11 +91,11 @@ def test_sentencepiece_tokenizer_model_tokenizes_as_sentencepiece_does(tmp_path)
     config = json.loads((src / "config.json").read_text())
     config["vocab_size"] = sp.vocab_size()
     (src / "config.json").write_text(json.dumps(config))
-    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
-        weights = {k: f.get_tensor(k) for k in f.keys()}
+    tensors = weights.load(src / "model.safetensors")
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        weights[name] = weights[name][: sp.vocab_size()].clone()
-    save_file(weights, str(src / "model.safetensors"))
+        values, dtype = tensors[name]
+        tensors[name] = values[: sp.vocab_size()], dtype
+    weights.save(src / "model.safetensors", tensors)
 
     out = prepare_f16(str(src), tmp_path / "work")
     sample = "def the fibonacci(n): print it, lazy dog!"
@@ -125,11 +123,11 @@ def test_bf16_output_keeps_bf16_weights_exactly(tmp_path):
     out = prepare_f16(str(src), tmp_path / "work", out_type="BF16")
     reader = gguf.GGUFReader(out)
     assert field(reader, "general.file_type") == gguf.LlamaFileType.MOSTLY_BF16
-    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
-        want = f.get_tensor("model.layers.1.mlp.down_proj.weight").float().numpy()
+    tensors = weights.load(src / "model.safetensors")
+    want = weights.as_f32(tensors["model.layers.1.mlp.down_proj.weight"])
     np.testing.assert_array_equal(gguf_tensor(reader, "blk.1.ffn_down.weight"), want)
-    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
-        norm = f.get_tensor("model.layers.1.input_layernorm.weight").numpy()
+    norm, dtype = tensors["model.layers.1.input_layernorm.weight"]
+    assert dtype == "F32"
     # HF's Gemma3RMSNorm scales by (1 + w); llama.cpp scales by the stored weight
     np.testing.assert_allclose(gguf_tensor(reader, "blk.1.attn_norm.weight"), 1.0 + norm, rtol=0, atol=1e-7)
     _, logits = run_logits(out, "the and")
@@ -173,7 +171,7 @@ def test_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path):
     src = tmp_path / "mamba"
     src.mkdir()
     (src / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}))
-    save_file({"x": torch.zeros(2)}, str(src / "model.safetensors"))
+    weights.save(src / "model.safetensors", {"x": weights.stored(np.zeros(2), "f32")})
     with pytest.raises(ConvertError, match=r"MambaForCausalLM.*llama.*qwen2.*gemma3"):
         prepare_f16(str(src), tmp_path / "work")
 

@@ -2,7 +2,7 @@
 
 The header, metadata and tensor table are written first (shapes come from the safetensors
 headers, no data is read), then each tensor is read, transformed and written in table order, so
-peak memory is about one tensor (as float32), not the model. Tensor names come from gguf-py's
+peak memory is about one tensor, not the model. Tensor names come from gguf-py's
 per-architecture TensorNameMap. Transforms undo what HF does differently from llama.cpp:
 llama's q/k rows are permuted to llama.cpp's rotary layout, and Gemma's RMSNorm weights are
 stored as w where the model multiplies by (1 + w), llama.cpp by the weight itself."""
@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
+from edgerun.convert import floats
 from edgerun.convert.atomic import atomic_path
 from edgerun.convert.hf_reader import HFCheckpoint
 from edgerun.convert.hf_vocab import Vocab, load_vocab
@@ -169,13 +170,10 @@ def _permute_rotary(w, n_head: int):
 
 def tensor_data(ckpt: HFCheckpoint, t: PlannedTensor) -> np.ndarray:
     """The bytes to write for one planned tensor (numpy, in the dtype of t.qtype)."""
-    import torch
-
     if t.source is None:
         return _llama3_rope_factors(ckpt.config)
-    # no float32 copy unless arithmetic needs one: the largest tensor (the embedding) is then
-    # held twice in 16-bit, not once in 16 and once in 32
-    x = ckpt.tensor(t.source)
+    # a view of the mapped file: the one copy made is the converted output (floats.py)
+    x, dtype = ckpt.tensor(t.source)
     if x.shape[0] > t.shape[0]:
         x = x[: t.shape[0]]
     c = ckpt.config
@@ -184,18 +182,18 @@ def tensor_data(ckpt: HFCheckpoint, t: PlannedTensor) -> np.ndarray:
     elif ckpt.arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
         x = _permute_rotary(x, c.get("num_key_value_heads", c["num_attention_heads"]))
     if ckpt.arch == "gemma3" and t.source.endswith("norm.weight"):
-        x = x.to(torch.float32) + 1.0
+        x, dtype = floats.to_f32(x, dtype) + np.float32(1.0), "F32"
     if tuple(x.shape) != t.shape:
         raise ConvertError(f"{ckpt.root}: tensor {t.source!r} has shape {tuple(x.shape)}, expected {t.shape}")
     if t.qtype == QType.BF16:
-        return x.to(torch.bfloat16).contiguous().view(torch.uint16).numpy()
+        return floats.to_bf16(x, dtype)
     if t.qtype == QType.F32:
-        return x.to(torch.float32).contiguous().numpy()
-    y = x.to(torch.float16).contiguous()
-    if x.dtype != torch.float16 and torch.isinf(y).any() and not torch.isinf(x).any():
+        return np.ascontiguousarray(floats.to_f32(x, dtype))
+    y = floats.to_f16(x, dtype)
+    if dtype != "F16" and np.isinf(y).any() and not np.isinf(floats.to_f32(x, dtype)).any():
         raise ConvertError(f"{ckpt.root}: tensor {t.source!r} has values beyond the F16 range; "
                            "convert to BF16 instead")
-    return y.numpy()
+    return y
 
 
 def _nbytes(t: PlannedTensor) -> int:

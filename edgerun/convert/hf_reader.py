@@ -1,17 +1,20 @@
 """Read a Hugging Face checkpoint directory lazily, one tensor at a time.
 
-Only safetensors are read (through `safetensors.safe_open`, which memory-maps the file and copies
-out just the tensor asked for); pickled weights (`*.bin`, `*.pt`, ...) are refused, never opened,
-because unpickling runs arbitrary code. `hf://org/repo[@revision]` is fetched with
+Only safetensors are read: safetensors itself checks each file's header (its length, and that every
+tensor lies inside the file), then the file is memory-mapped and a tensor is a numpy view of its
+bytes (bfloat16 as its 16-bit patterns, see floats.py), so nothing is copied until a conversion
+needs it. Pickled weights (`*.bin`, `*.pt`, ...) are refused, never opened, because unpickling runs
+arbitrary code. `hf://org/repo[@revision]` is fetched with
 huggingface_hub into edgerun's cache, weights and JSON only."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from edgerun import paths
 from edgerun.errors import ConvertError
@@ -31,6 +34,8 @@ HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "
 HF_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HF_SCHEME = "hf://"
+# safetensors dtypes a weight may be stored in, as numpy reads their bytes (little-endian)
+NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 _DOWNLOAD_PATTERNS = ["*.safetensors", "*.json", "tokenizer.model", "*.jinja"]
 
 
@@ -96,6 +101,37 @@ def _weight_files(root: Path) -> list[Path]:
     raise ConvertError(f"{root}: no *.safetensors weights; give a complete HF checkpoint directory")
 
 
+class Shard:
+    """One safetensors file: its header, checked by safetensors, and its bytes memory-mapped."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="numpy"):  # the checks; it reads no tensor
+                pass
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                self.header = json.loads(f.read(n))
+            self.header.pop("__metadata__", None)
+            start = 8 + n
+            size = path.stat().st_size
+            # np.memmap cannot map nothing: a file of empty tensors has no bytes after its header
+            self.data = np.memmap(path, np.uint8, "r", start) if size > start else np.empty(0, np.uint8)
+        except Exception as exc:
+            raise _unreadable(path, exc) from None
+        self.path = path
+
+    def tensor(self, name: str) -> tuple[np.ndarray, str]:
+        entry = self.header[name]
+        dtype = entry["dtype"]
+        if dtype not in NUMPY_DTYPES:
+            raise ConvertError(f"{self.path}: tensor {name!r} is stored as {dtype}; edgerun convert reads "
+                               f"{', '.join(NUMPY_DTYPES)} weights")
+        begin, end = entry["data_offsets"]
+        return np.asarray(self.data[begin:end]).view(NUMPY_DTYPES[dtype]).reshape(entry["shape"]), dtype
+
+
 @dataclass
 class HFCheckpoint:
     """A checkpoint directory: its config, its architecture and a lazy view of its tensors."""
@@ -104,35 +140,29 @@ class HFCheckpoint:
     config: dict[str, Any]
     arch: str
     files: dict[str, Path]  # tensor name -> the safetensors file holding it
-    _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
-    _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
+    _shards: dict[Path, Shard] = field(default_factory=dict, repr=False)
 
-    def _handle(self, name: str):
-        from safetensors import safe_open
-
+    def _shard(self, name: str) -> Shard:
         path = self.files.get(name)
         if path is None:
             raise KeyError(name)
-        if path not in self._handles:
-            try:
-                self._handles[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            except Exception as exc:
-                raise _unreadable(path, exc) from None
-        return self._handles[path]
+        if path not in self._shards:
+            self._shards[path] = Shard(path)
+        return self._shards[path]
 
     def names(self) -> list[str]:
         return list(self.files)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._shard(name).header[name]["shape"])
 
-    def tensor(self, name: str):
-        """One tensor as a torch tensor in its stored dtype (bf16 stays bf16)."""
-        return self._handle(name).get_tensor(name)
+    def tensor(self, name: str) -> tuple[np.ndarray, str]:
+        """One tensor as stored: a read-only numpy view of the mapped file and its safetensors
+        dtype (BF16 values are uint16 bit patterns; floats.py converts)."""
+        return self._shard(name).tensor(name)
 
     def close(self) -> None:
-        self._stack.close()
-        self._handles.clear()
+        self._shards.clear()  # a mapping closes when the last view of it goes
 
     def __enter__(self) -> HFCheckpoint:
         return self
@@ -152,7 +182,7 @@ def _shard_tensors(path: Path) -> list[str]:
     from safetensors import safe_open
 
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="numpy") as f:
             return list(f.keys())
     except Exception as exc:  # safetensors raises its own SafetensorError for corrupt headers
         raise _unreadable(path, exc) from None
