@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from edgerun.convert import pipeline, report
-from edgerun.convert.calibrate import Imatrix
+from edgerun.convert.imatrix import Imatrix
 from testkit.fixture import make_hf_fixture
 from edgerun.convert.quantize import quantize
 from edgerun.convert.source import prepare_f16

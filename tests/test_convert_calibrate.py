@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from edgerun import _native
-from edgerun.convert.calibrate import Imatrix, chunk_tokens, collect_imatrix
+from edgerun.convert.calibrate import chunk_tokens, collect_imatrix
+from edgerun.convert.imatrix import Imatrix
 from edgerun.errors import ConvertError
 
 TEXT = (Path(__file__).resolve().parents[1] / "edgerun" / "runtime" / "engine.py").read_text()

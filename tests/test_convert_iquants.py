@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edgerun.convert import pipeline, plan
-from edgerun.convert.calibrate import Imatrix
+from edgerun.convert.imatrix import Imatrix
 from edgerun.convert.sensitivity import NEEDS_IMATRIX, measure
 
 WIDE, NARROW = "blk.0.ffn_down.weight", "blk.0.attn_q.weight"

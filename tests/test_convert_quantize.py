@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from edgerun import _native
-from edgerun.convert.calibrate import Imatrix
+from edgerun.convert.imatrix import Imatrix
 from edgerun.convert.quantize import anchored, quantize
 from edgerun.convert.sensitivity import quantizable, read_rows
 from edgerun.errors import ConvertError

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgerun import _native
-from edgerun.convert.calibrate import Imatrix
+from edgerun.convert.imatrix import Imatrix
 from edgerun.convert.sensitivity import (
     block_size, measure, quantizable, read_rows, sample_rows, tensor_cost, type_nbytes,
 )

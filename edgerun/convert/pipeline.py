@@ -254,7 +254,8 @@ def cached_imatrix(f16: Path, opts: ConvertOptions, work: Path, progress: Progre
     """The importance matrix of opts.calib on F16 and its cache key, computed once per input.
     KEEP: when calibration runs, (tokens, logits) of the chunks the role probes are scored on are
     appended to it (their reference, for free: calibration evaluates every position)."""
-    from edgerun.convert.calibrate import Imatrix, collect_imatrix
+    from edgerun.convert.calibrate import collect_imatrix
+    from edgerun.convert.imatrix import Imatrix
 
     text = calibration_text(opts.calib)
     key = _key("imatrix", _file_id(f16), hashlib.sha256(text.encode()).hexdigest(), opts.n_ctx, opts.calib_chunks)

@@ -17,15 +17,16 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-import gguf
 import llama_cpp
 import numpy as np
 
 from edgerun import _native
 from edgerun.convert.atomic import atomic_path
-from edgerun.convert.calibrate import Imatrix
-from edgerun.convert.sensitivity import block_size
+from edgerun.convert.imatrix import Imatrix
 from edgerun.errors import ConvertError
+
+# The child process imports this module, once per quantize: what only the parent's checks use
+# (gguf-py, sensitivity.py and what it brings) is imported where they run.
 
 Progress = Callable[[str, int, int], None]
 
@@ -47,6 +48,10 @@ def anchored(name: str) -> str:
 def check_overrides(src: Path, overrides: dict[str, str]) -> list[tuple[str, int]]:
     """(pattern, ggml type) per override, after checking that each names a tensor of SRC whose
     rows the type can hold (else llama.cpp would silently pick another type)."""
+    import gguf
+
+    from edgerun.convert.sensitivity import block_size
+
     if not overrides:
         return []
     try:

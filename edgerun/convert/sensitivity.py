@@ -17,7 +17,7 @@ import numpy as np
 
 from edgerun import _native
 from edgerun.convert import tensors
-from edgerun.convert.calibrate import Imatrix
+from edgerun.convert.imatrix import Imatrix
 from edgerun.convert.tensors import Tensor
 from edgerun.errors import ConvertError
 
