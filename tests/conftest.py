@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if REAL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
+    # Under pytest-xdist (--dist loadfile) each file goes whole to the next free worker, in this
+    # order (pyproject turns off xdist's own, most tests first): the fast tier's files that build
+    # something (a `slow` test, seconds each) first, then the rest by size, so that no file of
+    # seconds starts last while the other worker has finished.
+    fast = [item for item in items if not item.get_closest_marker("model")]
+    size = Counter(item.path for item in fast)
+    builds = {item.path for item in fast if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.path not in builds, -size[item.path]))
 
 
 @pytest.fixture(scope="session")
