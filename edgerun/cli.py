@@ -66,7 +66,8 @@ def _add_model_args(p: argparse.ArgumentParser, *, positional: bool = False) -> 
     e = defaults.EngineSettings()
     p.add_argument("--ctx", type=int, default=e.n_ctx, help=f"context size in tokens (default {e.n_ctx})")
     p.add_argument("--n-batch", type=_at_least_one, default=e.n_batch, help="prompt tokens per llama_decode call")
-    p.add_argument("--threads", type=_at_least_one, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--threads", type=_at_least_one, default=None,
+                   help="CPU threads (default: EDGERUN_THREADS, else physical cores)")
     p.add_argument("--gpu-layers", default=e.gpu_layers, help="auto, 0, or a layer count")
     p.add_argument("--max-vram", type=_number(0), default=None, metavar="GIB",
                    help="GiB of VRAM the offload plan may use (default: all that is free)")
@@ -130,7 +131,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-batch", type=_int_list, default=[], metavar="N[,N...]",
                    help="also measure the longest prompt's TTFT for each n_batch, e.g. 128,512")
     p.add_argument("--ctx", type=int, default=e.n_ctx, help=f"context size in tokens (default {e.n_ctx})")
-    p.add_argument("--threads", type=_at_least_one, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--threads", type=_at_least_one, default=None,
+                   help="CPU threads (default: EDGERUN_THREADS, else physical cores)")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of latencies and tok/s here")
 
@@ -219,7 +221,8 @@ def _add_rpc_server_args(p: argparse.ArgumentParser) -> None:
                    help=f"TCP port (default {rpc.DEFAULT_PORT})")
     p.add_argument("--mem", type=_number(0, low_open=True), default=None, metavar="GIB",
                    help="GiB the server reports and allocates at most (default: the device's free memory)")
-    p.add_argument("--threads", type=_at_least_one, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--threads", type=_at_least_one, default=None,
+                   help="CPU threads (default: EDGERUN_THREADS, else physical cores)")
     p.add_argument("--cache", type=Path, default=None, metavar="DIR",
                    help="keep tensors clients sent here, so a reload sends only their hashes")
     p.add_argument("--cpu", action="store_true", help="serve the CPU even where a GPU is (a GPU and a CPU server on one host)")
@@ -257,7 +260,7 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", type=Path, default=None, metavar="PATH", help="write the report as JSON here")
     p.add_argument("--eval-chunks", default=None, metavar="N",
                    help="512-token chunks of held-out code for the quality report (0 skips it)")
-    p.add_argument("--threads", default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--threads", default=None, help="CPU threads (default: EDGERUN_THREADS, else physical cores)")
     p.add_argument("--no-weigh", dest="weigh", action="store_false",
                    help="skip measuring each tensor role's effect on KLD (faster; plans on raw errors)")
     p.add_argument("--name", default=None, help="register the result under this name (edgerun list, -m NAME, the chat"
@@ -282,9 +285,9 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    _setup_logging(args.verbose)
     try:
+        args = build_parser().parse_args(argv)  # its defaults read EDGERUN_THREADS, which may be wrong
+        _setup_logging(args.verbose)
         from edgerun import commands
 
         return getattr(commands, f"cmd_{args.command.replace('-', '_')}")(args)

@@ -27,7 +27,8 @@ def report(model: str, rpc_spec: str = "") -> str:
     lines.append(f"backend: {'CUDA (GPU offload)' if gpu else 'CPU only'}")
     lines.append(f"RPC backend: {rpc.available()}")
     lines.append(f"CPU features used: {devices.cpu_features()}")
-    lines.append(f"threads: {settings.physical_cores()} (physical cores)")
+    lines.append(f"threads: {settings.default_threads()} "
+                 f"({settings.THREADS_ENV if settings.threads_from_env() else 'physical cores'})")
     lines.append(f"free RAM: {_gib(devices.free_ram())}")
     cards = devices.gpus()
     for g in cards:

@@ -43,7 +43,7 @@ def run(args) -> int:
     devices = rpc.serve_devices(cpu=args.cpu)
     if not devices:
         raise ConfigError("ggml found no device to serve")
-    threads = args.threads or settings.physical_cores()
+    threads = args.threads or settings.default_threads()
     mem = int(args.mem * GiB) if args.mem else None
     cache = None
     if args.cache:

@@ -3,14 +3,36 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import psutil
+
+from edgerun.errors import ConfigError
+
+THREADS_ENV = "EDGERUN_THREADS"
 
 
 def physical_cores() -> int:
     """llama.cpp decodes fastest with one thread per physical core (hyper-threads only contend)."""
     return psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
+
+
+def threads_from_env() -> int | None:
+    """EDGERUN_THREADS, where set: the threads of llama.cpp (and of edgerun's own native work) when
+    --threads does not say, for a machine shared with other work or a container given fewer cores
+    than the host has. ggml's threads meet at a spinning barrier after every operation, so more
+    threads than the cores left free wait for each other a whole time slice at a time."""
+    text = os.environ.get(THREADS_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"{THREADS_ENV}={text!r}: give a thread count of at least 1, or unset it")
+    return int(text)
+
+
+def default_threads() -> int:
+    return threads_from_env() or physical_cores()
 
 
 @dataclass(frozen=True)
@@ -54,7 +76,7 @@ class EngineSettings:
     n_ctx: int = 4096
     n_batch: int = 512
     n_ubatch: int = 512
-    n_threads: int = dataclasses.field(default_factory=physical_cores)
+    n_threads: int = dataclasses.field(default_factory=default_threads)
     gpu_layers: str = "auto"  # "auto", or a layer count as text
     max_vram: int | None = None  # bytes of VRAM the plan may use; None: all that is free
     n_seq: int = 1  # sequences sharing the context (the server's slots), each up to n_ctx tokens

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import settings
 
 from edgerun.models import catalog, fetch
+from edgerun.settings import THREADS_ENV, physical_cores
 
 # Hypothesis fails an example that takes over 200 ms by default: a reading of the clock that a
 # busy machine (or two pytest-xdist workers on two cores) can fail. The examples are bounded by
@@ -27,6 +28,15 @@ settings.load_profile("edgerun")
 # back (the processes the tests start then get SIGINT's default action, and so Python's handler too).
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# pytest-xdist's workers share the machine's cores: by default each worker's llama.cpp (and every
+# edgerun process its tests start) computes on its share. ggml's threads meet at a spinning barrier
+# after every operation, so two workers of two threads each on two cores wait whole time slices for
+# each other (the chat app's convert test: 9 s alone, 15 s beside one busy process; on one thread
+# 10 s beside it). A test that names its threads keeps them; EDGERUN_THREADS set by hand is kept.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault(THREADS_ENV, str(max(1, physical_cores() // _WORKERS)))
 
 DRAFT = "qwen2.5-coder-0.5b"
 TARGET = "qwen2.5-coder-1.5b"

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from edgerun import _native, user_settings
+from edgerun import _native, settings, user_settings
 from edgerun.cli import build_parser
 from edgerun.commands import _chat_overrides
 from edgerun.decode import governor
@@ -101,6 +101,22 @@ def test_values_the_native_side_cannot_take_are_refused_before_loading(flag, val
     proc = run_cli(capsys, "run", "hi", "-m", SMALL, flag, value)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"edgerun run: error: argument {flag}")
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_edgerun_threads_that_is_no_count_is_one_line(value, monkeypatch, capsys):
+    monkeypatch.setenv(settings.THREADS_ENV, value)
+    with pytest.raises(ConfigError, match=f"EDGERUN_THREADS={value!r}: give a thread count"):
+        EngineSettings()
+    _one_line_error(run_cli(capsys, "run", "hi", "-m", "no-such-model"), "EDGERUN_THREADS")
+
+
+def test_edgerun_threads_is_the_default_and_threads_still_win(monkeypatch):
+    monkeypatch.setenv(settings.THREADS_ENV, "3")
+    assert settings.default_threads() == EngineSettings().n_threads == 3
+    assert EngineSettings().replace(n_threads=1).n_threads == 1  # what --threads gives
+    monkeypatch.delenv(settings.THREADS_ENV)
+    assert settings.threads_from_env() is None and EngineSettings().n_threads == settings.physical_cores()
 
 
 # ---- native failures ---------------------------------------------------------------------------

@@ -42,7 +42,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default="qwen2.5-coder-1.5b", help="catalog name or .gguf (default qwen2.5-coder-1.5b)")
     p.add_argument("-n", "--max-tokens", type=count, default=128, help="tokens per reply (default 128)")
     p.add_argument("--repeat", type=count, default=3, help="turns per side (default 3)")
-    p.add_argument("--threads", type=count, default=None, help="CPU threads, both sides (default: physical cores)")
+    p.add_argument("--threads", type=count, default=None,
+                   help="CPU threads, both sides (default: EDGERUN_THREADS, else physical cores)")
 
 
 def _edgerun_side(model: Path, n: int, threads: int) -> float:
@@ -70,9 +71,9 @@ def _child(cmd: list[str], what: str) -> str:
 
 def measure(args: argparse.Namespace, say) -> dict:
     from edgerun.models.fetch import resolve
-    from edgerun.settings import physical_cores
+    from edgerun.settings import default_threads
 
-    model, threads = resolve(args.model), args.threads or physical_cores()
+    model, threads = resolve(args.model), args.threads or default_threads()
     values = interleave({"edgerun": lambda: _edgerun_side(model, args.max_tokens, threads),
                          "llama-cpp-python": lambda: _llama_side(model, args.max_tokens, threads)},
                         args.repeat, say)

@@ -29,7 +29,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default="spec", help="shipped set, prompt names or a file (default spec)")
     p.add_argument("-n", "--max-tokens", type=count, default=128, help="tokens per reply (default 128)")
     p.add_argument("--repeat", type=count, default=3, help="runs per prompt and side (default 3)")
-    p.add_argument("--threads", type=count, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--threads", type=count, default=None, help="CPU threads (default: EDGERUN_THREADS, else physical cores)")
     p.add_argument("--gpu-layers", default="0", help="layers on the GPU (default 0: the host's share on a CPU)")
 
 

@@ -47,7 +47,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=count, default=4096, help="context size (default 4096)")
     p.add_argument("-n", "--max-tokens", type=count, default=8, help="tokens of the new reply, compared across sides (default 8)")
     p.add_argument("--repeat", type=count, default=3, help="turns per side (default 3)")
-    p.add_argument("--threads", type=count, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--threads", type=count, default=None, help="CPU threads (default: EDGERUN_THREADS, else physical cores)")
     p.add_argument("--gpu-layers", default="auto", help="auto, 0, or a layer count (default auto)")
 
 

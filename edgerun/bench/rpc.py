@@ -41,7 +41,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem", default=None, metavar="GIB[,GIB...]",
                    help="each spawned server's --mem (default: 0.7 of the model's layers each, so none holds it alone)")
     p.add_argument("--server-threads", type=count, default=1, help="CPU threads per spawned server (default 1)")
-    p.add_argument("--threads", type=count, default=None, help="the client's CPU threads (default: physical cores)")
+    p.add_argument("--threads", type=count, default=None,
+                   help="the client's CPU threads (default: EDGERUN_THREADS, else physical cores)")
     p.add_argument("--max-vram", type=float, default=None, metavar="GIB", help="the client's own GPU budget (0: none)")
     p.add_argument("--tokens", type=count, default=64, help="tokens per reply (default 64)")
     p.add_argument("--repeat", type=count, default=4, help="replies per side (default 4)")

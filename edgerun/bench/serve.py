@@ -43,7 +43,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="layers on the GPU, both servers and edgerun run: a count, all, or 0 (default: all where"
                         " a GPU is, else 0)")
     load.add_load_args(p, concurrency="1,16")
-    p.add_argument("--threads", type=count, default=None, help="CPU threads, both servers (default: physical cores)")
+    p.add_argument("--threads", type=count, default=None,
+                   help="CPU threads, both servers (default: EDGERUN_THREADS, else physical cores)")
     p.add_argument("--ctx", type=count, default=4096, help="context per slot in tokens (default 4096)")
     p.add_argument("--parallel", type=count, default=None, help="slots of both servers (default: the top concurrency)")
     p.add_argument("--repeat", type=count, default=2, help="turns per side at each level (default 2)")
@@ -178,11 +179,11 @@ def _resumed(server, run):
 
 def measure(args: argparse.Namespace, say) -> dict:
     from edgerun.bench import servers
-    from edgerun.settings import physical_cores
+    from edgerun.settings import default_threads
 
     names = _sides(args.sides)
     args.ngl = _gpu_layers(args.gpu_layers)
-    model, threads = _model(args), args.threads or physical_cores()
+    model, threads = _model(args), args.threads or default_threads()
     parallel = args.parallel or max(max(args.concurrency), args.long_streams + 1 if args.long_prompts else 1)
     binary = servers.llama_tool("llama-server", args.llama_server) if THEIRS in names else None
     batched = servers.llama_tool("llama-batched-bench", args.batched_bench or None) if args.batched_bench is not None else None

@@ -40,7 +40,7 @@ def _run_args(p: argparse.ArgumentParser, *, tokens: int, repeat: int, what: str
     p.add_argument("--repeat", type=count, default=repeat, help=f"{what} (default {repeat})")
     p.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
     p.add_argument("--ctx", type=count, default=4096, help="context size (default 4096)")
-    p.add_argument("--threads", type=count, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--threads", type=count, default=None, help="CPU threads (default: EDGERUN_THREADS, else physical cores)")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -173,13 +173,13 @@ def ngram_args(p: argparse.ArgumentParser) -> None:
 def ngram_measure(args: argparse.Namespace, say) -> dict:
     from edgerun.bench.external import PromptLookup
     from edgerun.runner import Runner
-    from edgerun.settings import EngineSettings, physical_cores
+    from edgerun.settings import EngineSettings, default_threads
 
     pld = sorted({int(v) for v in args.pld.split(",") if v.strip().isdigit() and int(v) > 0})
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     if not pld or not set(cases) <= set(CASES):
         raise argparse.ArgumentTypeError(f"--pld takes counts (10,16) and --cases {', '.join(CASES)}")
-    threads = args.threads or physical_cores()
+    threads = args.threads or default_threads()
     engine = EngineSettings().replace(n_ctx=args.ctx, n_threads=threads, gpu_layers="0")
     prompts = {p.name: p.text for p in load_prompts("spec")}
     runs: list[dict] = []

@@ -40,7 +40,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temps", type=_floats, default=[0.0, 0.7], metavar="T[,T...]", help="temperatures (default 0,0.7)")
     p.add_argument("--schema", default=None, metavar="FILE|JSON", help="the schema (default: a list of planets)")
     p.add_argument("--prompt", default=PROMPT, help="the prompt (default: the planets)")
-    p.add_argument("--threads", type=count, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--threads", type=count, default=None, help="CPU threads (default: EDGERUN_THREADS, else physical cores)")
     p.add_argument("--gpu-layers", default="auto", help="layers on the GPU: auto, 0 or a count")
 
 

@@ -17,7 +17,7 @@ from edgerun import _native
 from edgerun.convert.imatrix import Imatrix
 from edgerun.errors import ConvertError, EdgerunError
 from edgerun.runtime.engine import Context, Model
-from edgerun.settings import EngineSettings, physical_cores
+from edgerun.settings import EngineSettings, default_threads
 
 Progress = Callable[[str, int, int], None]
 
@@ -59,7 +59,7 @@ def collect_imatrix(gguf_path: Path, text: str, *, n_ctx: int = 512, max_chunks:
         raise ConvertError(f"calibration context of {n_ctx} tokens is too short; use at least {MIN_CHUNK_TOKENS}")
     collector = collector or _native.ImatrixCollector()
     settings = EngineSettings(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                              n_threads=n_threads or physical_cores())
+                              n_threads=n_threads or default_threads())
     try:
         with Model(gguf_path) as model:
             tokens = model.tokenize(text, add_special=False)

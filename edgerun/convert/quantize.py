@@ -26,7 +26,7 @@ from edgerun.convert.imatrix import Imatrix
 from edgerun.errors import ConvertError
 
 # The child process imports this module, once per quantize: what only the parent's checks use
-# (gguf-py, sensitivity.py and what it brings) is imported where they run.
+# (gguf-py, sensitivity.py and what it brings, the settings) is imported where they run.
 
 Progress = Callable[[str, int, int], None]
 
@@ -74,6 +74,8 @@ def quantize(src: Path, dst: Path, *, ftype: str, overrides: dict[str, str], ima
              n_threads: int | None = None, progress: Progress | None = None) -> Path:
     """Quantize SRC into DST with llama.cpp: `ftype` is the base recipe, every tensor named in
     `overrides` gets exactly its type. Returns DST, which exists only if the quantize completed."""
+    from edgerun.settings import threads_from_env
+
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise ConvertError(f"{src}: no such GGUF file")
@@ -82,7 +84,7 @@ def quantize(src: Path, dst: Path, *, ftype: str, overrides: dict[str, str], ima
     job = {
         "src": str(src),
         "ftype": ftype_value(ftype),
-        "n_threads": n_threads or 0,  # 0: llama.cpp uses every core
+        "n_threads": n_threads or threads_from_env() or 0,  # 0: llama.cpp uses every core
         "overrides": check_overrides(src, overrides),
     }
     with atomic_path(dst) as tmp:  # llama.cpp creates it (so it gets the usual permissions)

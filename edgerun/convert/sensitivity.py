@@ -20,6 +20,7 @@ from edgerun.convert import tensors
 from edgerun.convert.imatrix import Imatrix
 from edgerun.convert.tensors import Tensor
 from edgerun.errors import ConvertError
+from edgerun.settings import threads_from_env
 
 Progress = Callable[[str, int, int], None]
 
@@ -139,7 +140,7 @@ def measure(gguf_f16: Path, imatrix: Imatrix | None, types: Sequence[str], *, ma
         _qtype(t)
     reader = tensors.open_gguf(gguf_f16)
     chosen = [t for t in reader.tensors if quantizable(t)]
-    n_threads = n_threads or max(1, min(8, os.cpu_count() or 1))
+    n_threads = n_threads or threads_from_env() or max(1, min(8, os.cpu_count() or 1))
     costs = []
     for i, tensor in enumerate(chosen):
         costs.append(tensor_cost(reader, tensor, imatrix, types, max_rows=max_rows, n_threads=n_threads))
