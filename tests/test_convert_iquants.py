@@ -94,3 +94,25 @@ def test_i_quants_far_below_the_budget_are_not_measured(f16, tmp_path, monkeypat
     every = {c.name: c for c in pipeline.cached_costs(f16, imatrix, "k", opts, tmp_path / "b", None)}
     assert set(CHEAP) <= set(every[WIDE].errors)
     assert {t: e for t, e in every[WIDE].errors.items() if t != "IQ3_XXS"} == near[WIDE].errors
+
+
+def test_of_two_plans_the_one_measured_closer_to_the_f16_is_kept(tiny_model, tmp_path):
+    """A plan with i-quants must beat its k-quant rival measured whole: keep_measured_best
+    quantizes each plan, measures each file against the F16 on calibration text, and leaves the
+    better one as the output (here the Q8_0 plan over the Q4_0 one, named in either order)."""
+    from types import SimpleNamespace
+
+    from edgerun.convert.tensors import open_gguf
+
+    names = [t.name for t in open_gguf(tiny_model).tensors if len(t.shape) == 2 and "norm" not in t.name]
+    text = pipeline.calibration_text(["code"])
+    for order in (("coarse", "fine"), ("fine", "coarse")):
+        types = {"coarse": "Q4_0", "fine": "Q8_0"}
+        plans = {name: SimpleNamespace(types=dict.fromkeys(names, types[name])) for name in order}
+        out = tmp_path / order[0] / "out.gguf"
+        out.parent.mkdir()
+        kept, kld = pipeline.keep_measured_best(tiny_model, plans, out, base="Q8_0", imatrix=None, text=text,
+                                                n_ctx=128, n_threads=1)
+        assert kept == "fine" and 0 < kld["fine"] < kld["coarse"]
+        assert [p.name for p in out.parent.iterdir()] == ["out.gguf"]  # the rival's file is gone
+        assert {t.tensor_type.name for t in open_gguf(out).tensors if t.name in names} == {"Q8_0"}

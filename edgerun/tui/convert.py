@@ -33,7 +33,7 @@ def step_of(label: str) -> str | None:
     """The step a pipeline progress label belongs to ("sensitivity (i-quants)" -> sensitivity)."""
     head = label.split()[0] if label else ""
     return {"write": "write", "download": "write", "calibrate": "calibrate", "sensitivity": "sensitivity",
-            "weigh": "weigh", "plan": "plan", "quantize": "quantize", "stock": "report",
+            "weigh": "weigh", "plan": "plan", "quantize": "quantize", "check": "quantize", "stock": "report",
             "evaluate": "report"}.get(head)
 
 
