@@ -7,10 +7,10 @@ not a float32 copy of the whole tensor (the embedding of a 1.5B is 0.9 GB as flo
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 
 _BLOCK = 1 << 22  # values converted at a time
-_BF16_QUIET_NAN = np.uint16(0x7FC0)
 
 
 def to_f32(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -21,10 +21,8 @@ def to_f32(values: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    # to nearest, ties to even: add just under half an ulp of the kept part, plus its lowest bit
-    rounded = ((bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
-    return np.where(np.isnan(x), _BF16_QUIET_NAN, rounded)
+    # gguf-py's BF16 quantizer is ggml's own rounding (to nearest, ties to even; NaN stays NaN)
+    return gguf.quants.quantize(np.ascontiguousarray(x, dtype=np.float32), gguf.GGMLQuantizationType.BF16).view(np.uint16)
 
 
 def _convert(values: np.ndarray, dtype: str, out_dtype, convert) -> np.ndarray:
