@@ -252,10 +252,10 @@ class Scheduler:
             if job.last is not None:
                 continue
             rest = job.prompt[len(self.ctx.held(job.seq)):]
-            chunk = rest[:budget]
-            if len(chunk) == len(rest):
+            chunk, final = rest[:budget], len(rest) <= budget
+            if final:
                 filled.append((job, len(rows)))
-            rows.append((job.seq, chunk, len(chunk) == len(rest)))
+            rows.append((job.seq, chunk, final))
             budget -= len(chunk)
             self.metrics.prompt_tokens.inc(len(chunk))
         try:
