@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,15 +47,39 @@ def llama_tool(name: str, given: str | None = None) -> str:
     return found
 
 
+@contextlib.contextmanager
+def _signals_held():
+    """Holds SIGINT and SIGTERM back from the main thread's handlers while a server process starts,
+    yielding the list of those that came. A handler that raises (the bench's SIGTERM, Ctrl-C's
+    KeyboardInterrupt) would otherwise raise inside Popen after the fork, leaving a running
+    server that no Server owns and nothing stops."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held  # a handler runs in the main thread only: this thread's Popen returns whole
+        return
+    previous = {sig: signal.signal(sig, lambda got, _: held.append(got)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield held
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 class Server:
     """One server process; `url` is its address once ready (http://127.0.0.1:PORT; an rpc-server's
     127.0.0.1:PORT)."""
 
     def __init__(self, name: str, cmd: list[str], log: Path) -> None:
         self.name, self.log, self.url = name, log, ""
-        with open(log, "wb") as out:
+        with open(log, "wb") as out, _signals_held() as held:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)  # a Ctrl-C of the bench is not the server's
+        if held:  # the bench was told to stop while the server started: stop the server, then the bench
+            try:
+                signal.raise_signal(held[0])
+            except BaseException:
+                self.close()
+                raise
 
     def _last_line(self) -> str:
         lines = self.log.read_text(errors="replace").strip().splitlines()
