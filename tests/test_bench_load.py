@@ -69,6 +69,27 @@ def test_the_long_prompt_figures_split_the_streams_gaps_at_the_window():
     assert s["long_ttft_ms"] == [pytest.approx(4000)] and s["errors"] == 0
 
 
+def test_the_serve_claims_name_each_goal_once():
+    from edgerun.bench import serve
+
+    def figures(levels):
+        return {"turns": {c: [{"output_tok_s": tok_s}, {"output_tok_s": tok_s}] for c, tok_s in levels.items()}}
+
+    def claims(levels: list[int], ours: dict, theirs: dict) -> dict:
+        got = {"figures": {serve.OURS: figures(ours), serve.THEIRS: figures(theirs)}, "single": None}
+        args = argparse.Namespace(concurrency=levels, long_prompts=None)
+        out = serve._claims(got, None, args)
+        assert len({c["claim"] for c in out}) == len(out)
+        return {c["claim"]: (c["goal"], c["median"]) for c in out}
+
+    alone = claims([1], {"1": 24.0}, {"1": 25.0})
+    at_1 = f"{serve.OURS} / {serve.THEIRS} aggregate tok/s at concurrency 1"
+    assert alone[at_1] == (">= 0.98", pytest.approx(0.96))
+    both = claims([1, 16], {"1": 24.0, "16": 66.0}, {"1": 25.0, "16": 60.0})
+    assert both[at_1] == (">= 0.98", pytest.approx(0.96))
+    assert both[f"{serve.OURS} / {serve.THEIRS} aggregate tok/s at concurrency 16"] == (">= 1.0", pytest.approx(1.1))
+
+
 @pytest.mark.parametrize("text", ["0", "1,x", "", "4,-1"])
 def test_concurrency_levels_are_counts(text):
     with pytest.raises(argparse.ArgumentTypeError):
