@@ -9,6 +9,7 @@ import argparse
 import http.server
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -265,8 +266,29 @@ def test_the_serve_scenario_refuses_bad_placement_flags_before_starting(tiny_mod
     assert not {p.pid for p in _servers_of(tiny_model)} - before
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_that_comes_while_a_server_starts_stops_that_server(tmp_path, monkeypatch, sig):
+    # the signal lands after the fork, before Popen returns (the real Popen, then the signal)
+    started = []
+
+    def popen_then_signal(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        signal.raise_signal(sig)
+        return started[-1]
+
+    real_popen, int_handler = subprocess.Popen, signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(servers.subprocess, "Popen", popen_then_signal)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # as `bench serve` has it
+    try:
+        with pytest.raises((SystemExit, KeyboardInterrupt)):
+            servers.Server("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "log")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert len(started) == 1 and started[0].poll() is not None, "the server outlived the bench"
+    assert signal.getsignal(signal.SIGINT) is int_handler  # the held handlers are put back
+
+
 def test_a_terminated_serve_scenario_stops_its_server(tiny_model):
-    import signal
     import time
 
     before = {p.pid for p in _servers_of(tiny_model)}

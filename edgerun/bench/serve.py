@@ -220,9 +220,10 @@ def _per_turn(figures: dict, name: str, key: str, pick) -> list[float]:
 def _claims(got: dict, ceiling: dict | None, args) -> list[dict]:
     f, top = got["figures"], str(max(args.concurrency))
     agg = lambda name, c: _per_turn(f, name, c, lambda t: t["output_tok_s"])
-    out = [claim(f"{OURS} / {THEIRS} aggregate tok/s at concurrency 1", ratio_spread(agg(THEIRS, "1"), agg(OURS, "1")) if "1" in f.get(OURS, {}).get("turns", {}) and THEIRS in f else None, ">= 0.98")]
-    if top != "1":  # the batched claim; at concurrency 1 alone that is the claim above, with its own goal
-        out.insert(0, claim(f"{OURS} / {THEIRS} aggregate tok/s at concurrency {top}", ratio_spread(agg(THEIRS, top), agg(OURS, top)) if THEIRS in f else None, ">= 1.0"))
+    out = []
+    if top != "1":  # the batched claim; at concurrency 1 alone it would be the next one under another goal
+        out.append(claim(f"{OURS} / {THEIRS} aggregate tok/s at concurrency {top}", ratio_spread(agg(THEIRS, top), agg(OURS, top)) if THEIRS in f else None, ">= 1.0"))
+    out.append(claim(f"{OURS} / {THEIRS} aggregate tok/s at concurrency 1", ratio_spread(agg(THEIRS, "1"), agg(OURS, "1")) if "1" in f.get(OURS, {}).get("turns", {}) and THEIRS in f else None, ">= 0.98"))
     single = got["single"]
     out.append(claim(f"{OURS} at concurrency 1 / edgerun run decode tok/s",
                      ratio_spread(single["edgerun run"], single[OURS]) if single else None, ">= 0.95"))

@@ -49,15 +49,19 @@ def llama_tool(name: str, given: str | None = None) -> str:
 
 @contextlib.contextmanager
 def _signals_held():
-    """Holds SIGINT and SIGTERM back from the main thread's handlers while a server process starts,
-    yielding the list of those that came. A handler that raises (the bench's SIGTERM, Ctrl-C's
-    KeyboardInterrupt) would otherwise raise inside Popen after the fork, leaving a running
-    server that no Server owns and nothing stops."""
+    """Holds SIGINT and SIGTERM back from the main thread while a server process starts, yielding
+    the list of those that came. Delivered at once, a handler that raises (the bench's SIGTERM,
+    Ctrl-C's KeyboardInterrupt) would raise inside Popen after the fork, and the default action
+    would end the bench there: either way a running server that nothing stops. An ignored signal
+    stays ignored."""
     held: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield held  # a handler runs in the main thread only: this thread's Popen returns whole
         return
-    previous = {sig: signal.signal(sig, lambda got, _: held.append(got)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # (None: a handler installed outside Python, which could not be put back)
+    previous = {sig: h for sig in (signal.SIGINT, signal.SIGTERM) if (h := signal.getsignal(sig)) not in (signal.SIG_IGN, None)}
+    for sig in previous:
+        signal.signal(sig, lambda got, _: held.append(got))
     try:
         yield held
     finally:
@@ -75,11 +79,8 @@ class Server:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)  # a Ctrl-C of the bench is not the server's
         if held:  # the bench was told to stop while the server started: stop the server, then the bench
-            try:
-                signal.raise_signal(held[0])
-            except BaseException:
-                self.close()
-                raise
+            self.close()
+            signal.raise_signal(held[0])
 
     def _last_line(self) -> str:
         lines = self.log.read_text(errors="replace").strip().splitlines()
