@@ -241,6 +241,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=_at_least_one, default=256,
                    help="tokens per engine step, running replies' included: a long prompt is evaluated in"
                         " chunks of about this size between their tokens (default 256)")
+    p.add_argument("--prefill-share", type=_number(0, 1, low_open=True), default=defaults.PREFILL_SHARE,
+                   help="the most of the engine's time prompts take while replies decode: a long prompt slows"
+                        f" running replies to about 1/(1-SHARE) of their speed (default {defaults.PREFILL_SHARE:g})")
     p.add_argument("--api-key", default=None, help=f"require Authorization: Bearer KEY (or set {command.KEY_ENV})")
     p.add_argument("--drain-timeout", type=_number(0), default=command.DRAIN_S,
                    help=f"seconds Ctrl-C waits for running replies (default {command.DRAIN_S:g})")

@@ -275,7 +275,7 @@ def test_a_step_fills_the_waiting_prompts_within_its_budget(tiny_model):
 
     with Runner(tiny_model, EngineSettings(n_ctx=512, n_threads=1, n_seq=4)) as runner:
         metrics = Metrics()
-        sched = Scheduler(runner, metrics, queue_limit=4, step_tokens=40, solo=False)
+        sched = Scheduler(runner, metrics, queue_limit=4, step_tokens=40, prefill_share=1.0, solo=False)
         evaluated = lambda: metrics.registry.get_sample_value("edgerun_prompt_tokens_evaluated_total")
 
         def job(prompt: list[int]) -> Job:

@@ -77,7 +77,8 @@ def serve(args, load_runner) -> int:
         for alias in (runner.path.name, runner.path.stem):
             if alias not in state.names:
                 state.names.append(alias)
-        scheduler = Scheduler(runner, state.metrics, queue_limit=args.queue, step_tokens=args.prefill_chunk)
+        scheduler = Scheduler(runner, state.metrics, queue_limit=args.queue, step_tokens=args.prefill_chunk,
+                              prefill_share=args.prefill_share)
         scheduler.start()
         state.scheduler = scheduler
         shown = f"[{host}]" if ":" in host else host

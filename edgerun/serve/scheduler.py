@@ -3,7 +3,8 @@ driven by one thread that never waits on the event loop.
 
 Each step decodes one batch: the next token of every running reply plus chunks of the pending
 prompts, oldest first, within a token budget (continuous batching with chunked prefill), so a long
-prompt costs the running streams a few budget-sized steps, not its whole prefill. A reply alone
+prompt costs the running streams a few budget-sized steps, not its whole prefill, and while replies
+decode the prompts get at most a share of the engine's time (PrefillPacer). A reply alone
 on the server goes through the same decode loop as `edgerun run` (generate(), with the n-gram
 drafter or the draft model and the governor); when another request arrives it is handed over,
 between two rounds, to the batched steps, which decode plainly. A finished reply's slot keeps its KV as a prompt cache: a new request
@@ -32,11 +33,55 @@ from edgerun.runner import Runner
 from edgerun.runtime.engine import common_prefix
 from edgerun.serve.metrics import Metrics
 from edgerun.serve.text import ReplyText
-from edgerun.settings import SamplerSettings
+from edgerun.settings import PREFILL_SHARE, SamplerSettings
 
 log = logging.getLogger("edgerun.serve")
 
 COPY_GAIN = 32  # share a running slot's prefix only when it saves this many tokens over an idle cache
+BANK_STEPS = 4  # decode steps' worth of share that may be saved up: short prompts seldom wait
+SMOOTHING = 0.3  # weight of the newest decode-only step in its running duration
+
+
+class PrefillPacer:
+    """Whether the next step may carry prompt chunks, from the measured durations of the steps
+    before it (pure: the scheduler feeds it seconds; tests feed it numbers).
+
+    On a compute-bound CPU a 256-token chunk costs about as much as 30 decode steps, so a prompt
+    that rides in every step holds the decoding replies to one token per chunk: over its prefill
+    their TPOT is what one long stall would have made it. Here a chunk's cost beyond the decode
+    step it rides with is paid back by decode-only steps before the next chunk goes, so while
+    replies decode the prompts take at most `share` of the time: the replies' TPOT during a
+    prefill stays within about 1 / (1 - share) of their plain TPOT, and a prompt that arrives
+    among them takes about 1 / share as long to fill. With nothing decoding, prompts take every
+    step; share 1 gives them every step always."""
+
+    def __init__(self, share: float = PREFILL_SHARE):
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"prefill share {share} is not in (0, 1]")
+        self.share = share
+        self.credit = 0.0  # seconds of prompt time the replies have earned; a chunk goes at >= 0
+        self.decode_s: float | None = None  # a decode-only step's duration, smoothed
+
+    def may_chunk(self, decoding: bool) -> bool:
+        return not decoding or self.share >= 1.0 or self.credit >= 0.0
+
+    def record(self, seconds: float, *, decoding: bool, chunked: bool) -> None:
+        """One step done: `decoding` whether it carried replies' tokens, `chunked` prompt chunks."""
+        if not decoding:
+            self.credit = 0.0  # nothing waited on the prompts: no debt, no savings
+            return
+        if chunked:
+            decode = min(seconds, self.decode_s) if self.decode_s is not None else 0.0
+        else:
+            decode = seconds
+            self.decode_s = seconds if self.decode_s is None else self.decode_s + SMOOTHING * (seconds - self.decode_s)
+        # keeps prompt_time <= share / (1 - share) * reply_time: credit = share * D - (1 - share) * P
+        self.credit += self.share * decode - (1.0 - self.share) * (seconds - decode)
+        self.credit = min(self.credit, self.share * BANK_STEPS * (self.decode_s or 0.0))
+
+    def idle(self) -> None:
+        """No replies are being batched (the engine is idle or a reply runs alone)."""
+        self.credit = 0.0
 
 
 @dataclass(frozen=True)
@@ -96,13 +141,15 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, runner: Runner, metrics: Metrics, *, queue_limit: int, step_tokens: int, solo: bool = True):
+    def __init__(self, runner: Runner, metrics: Metrics, *, queue_limit: int, step_tokens: int,
+                 prefill_share: float = PREFILL_SHARE, solo: bool = True, clock: Callable[[], float] = time.perf_counter):
         self.runner, self.ctx, self.model, self.metrics = runner, runner.ctx, runner.model, metrics
         self.parallel = self.ctx.n_seq
         # replies alone keep the target's logits readable: a batched step may take over any round
         self.spec = replace(runner.spec_config, device_greedy=False)
         self.queue_limit, self.solo = queue_limit, solo
         self.step_tokens = max(self.parallel + 1, min(step_tokens, self.ctx.n_batch))
+        self.pacer, self._clock = PrefillPacer(prefill_share), clock
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []  # in admission order: the oldest pending prompt fills first
@@ -208,6 +255,7 @@ class Scheduler:
 
     def _alone(self, job: Job) -> None:
         """The reply as `edgerun run` decodes it, until it ends or another request arrives."""
+        self.pacer.idle()
         replies = generate(self.ctx, job.prompt, job.sampling, max_tokens=job.text.max_tokens, cancel=job.cancel,
                            spec_config=self.spec, memory=self.runner.governors, seq=job.seq, rng=job.rng,
                            grammar=job.grammar)
@@ -236,15 +284,15 @@ class Scheduler:
 
     def _step(self) -> None:
         """One batch: every running reply's newest token, then chunks of the pending prompts, the
-        oldest first, up to the step's token budget. Prompts that arrive together (a burst of
-        clients, or replies that ended in the same step) fill in one pass over the weights, not one
-        step each."""
+        oldest first, up to the step's token budget, when the pacer lets prompts in. Prompts that
+        arrive together (a burst of clients, or replies that ended in the same step) fill in one
+        pass over the weights, not one step each."""
         rows, decoding = [], []
         for job in self._active:
             if job.last is not None:
                 rows.append((job.seq, [job.last], True))
                 decoding.append(job)
-        budget = self.step_tokens - len(rows)
+        budget = self.step_tokens - len(rows) if self.pacer.may_chunk(bool(rows)) else 0
         filled = []  # (job, row) of the prompts whose last chunk is in this batch
         for job in self._active:
             if budget <= 0:
@@ -258,12 +306,14 @@ class Scheduler:
             rows.append((job.seq, chunk, final))
             budget -= len(chunk)
             self.metrics.prompt_tokens.inc(len(chunk))
+        start = self._clock()
         try:
             outputs = self.ctx.decode_rows(rows)
         except EdgerunError:
             for seq, _, _ in rows:
                 self.ctx.drop_unrecorded(seq)
             raise
+        self.pacer.record(self._clock() - start, decoding=bool(decoding), chunked=len(rows) > len(decoding))
         for job, i in zip(decoding, outputs):
             self._pick(job, i)
         for job, row in filled:

@@ -1,0 +1,100 @@
+"""The serve engine's pacing of prompts among decoding replies: PrefillPacer fed numbers, and the
+scheduler's steps driven one by one on the tiny model with the pacer's state set by hand."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from edgerun.serve.scheduler import BANK_STEPS, PrefillPacer
+
+
+def test_nothing_decoding_lets_every_step_carry_prompts():
+    pacer = PrefillPacer(0.5)
+    for seconds in (5.0, 3.0, 9.0):
+        pacer.record(seconds, decoding=False, chunked=True)
+        assert pacer.may_chunk(decoding=False) and pacer.may_chunk(decoding=True)
+
+
+def test_a_chunk_is_paid_back_by_decode_steps_before_the_next():
+    """Share 0.5, decode steps of 0.1 s: a 2.6 s chunk step is 2.5 s beyond its decode step, so
+    the replies get 2.5 s of decode-only steps (less the banked 0.2 s and the chunk step's own
+    0.1 s) before prompts ride again."""
+    pacer = PrefillPacer(0.5)
+    for _ in range(10):
+        pacer.record(0.1, decoding=True, chunked=False)
+    assert pacer.credit == pytest.approx(0.5 * BANK_STEPS * 0.1)
+    pacer.record(2.6, decoding=True, chunked=True)
+    held = 0
+    while not pacer.may_chunk(decoding=True):
+        pacer.record(0.1, decoding=True, chunked=False)
+        held += 1
+    assert held == round((2.5 * 0.5 - 0.05 - 0.2) / 0.05)  # 20 steps: 2.0 s of decoding
+    pacer.idle()
+    assert pacer.credit == 0.0
+
+
+def test_share_one_never_holds_a_prompt_back():
+    pacer = PrefillPacer(1.0)
+    pacer.record(0.1, decoding=True, chunked=False)
+    for _ in range(5):
+        pacer.record(10.0, decoding=True, chunked=True)
+        assert pacer.may_chunk(decoding=True)
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
+def test_a_share_outside_zero_to_one_is_refused(share):
+    with pytest.raises(ValueError, match="not in"):
+        PrefillPacer(share)
+
+
+@given(share=st.floats(0.05, 0.95),
+       decode=st.lists(st.floats(0.01, 1.0), min_size=1, max_size=200),
+       chunk=st.lists(st.floats(0.0, 5.0), min_size=1, max_size=200))
+def test_prompts_never_take_more_than_their_share(share, decode, chunk):
+    """A scheduler that obeys may_chunk: the prompts' time beyond the decode steps they ride with
+    stays within share / (1 - share) of the replies' time, give or take the bank and one chunk."""
+    pacer = PrefillPacer(share)
+    prompt_s = reply_s = 0.0
+    for i, d in enumerate(decode):
+        if pacer.may_chunk(decoding=True):
+            extra = chunk[i % len(chunk)]
+            pacer.record(d + extra, decoding=True, chunked=True)
+            # what the pacer counts as the replies' part is its smoothed decode step, at most d + extra
+            part = min(d + extra, pacer.decode_s) if pacer.decode_s is not None else 0.0
+            prompt_s, reply_s = prompt_s + d + extra - part, reply_s + part
+        else:
+            pacer.record(d, decoding=True, chunked=False)
+            reply_s += d
+    slack = max(chunk) + 0.5 * BANK_STEPS * max(decode) / (1 - share) + 1e-9
+    assert prompt_s <= share / (1 - share) * reply_s + slack
+
+
+def test_the_scheduler_holds_prompt_chunks_back_while_the_pacer_says_so(tiny_model):
+    """Three replies decoding and a long prompt waiting: a step the pacer holds back gives the
+    replies their tokens and the prompt nothing; the next one it allows carries a chunk."""
+    from edgerun.runner import Runner
+    from edgerun.serve.metrics import Metrics
+    from edgerun.serve.scheduler import Job, Scheduler
+    from edgerun.settings import EngineSettings, SamplerSettings
+
+    with Runner(tiny_model, EngineSettings(n_ctx=512, n_threads=1, n_seq=4)) as runner:
+        # a clock that never moves: every step takes no time, so only the credit set here decides
+        sched = Scheduler(runner, Metrics(), queue_limit=4, step_tokens=40, solo=False, clock=lambda: 0.0)
+
+        def job(prompt: list[int]) -> Job:
+            j = Job(prompt, SamplerSettings(temperature=0.0), 64, [], sink=lambda _event: None)
+            sched.submit(j)
+            return j
+
+        short = [job(list(range(10 + 3 * i, 20 + 3 * i))) for i in range(3)]
+        sched._admit()
+        sched._step()
+        long = job(list(range(100, 190)))
+        sched._admit()
+        sched.pacer.credit = -1.0
+        for n in (1, 2):
+            sched._step()
+            assert len(runner.ctx.held(long.seq)) == 0 and all(len(j.tokens) == 1 + n for j in short)
+        sched.pacer.credit = 0.0
+        sched._step()
+        assert len(runner.ctx.held(long.seq)) == 37 and all(len(j.tokens) == 4 for j in short)
