@@ -244,6 +244,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-share", type=_number(0, 1, low_open=True), default=defaults.PREFILL_SHARE,
                    help="the most of the engine's time prompts take while replies decode: a long prompt slows"
                         f" running replies to about 1/(1-SHARE) of their speed (default {defaults.PREFILL_SHARE:g})")
+    p.add_argument("--cache-ram", type=_number(0, whole=True), default=defaults.PROMPT_CACHE_MIB, metavar="MIB",
+                   help="RAM for the KV of prompts that left their slot, restored when a request comes back to them"
+                        f" (default {defaults.PROMPT_CACHE_MIB}; 0 turns it off)")
     p.add_argument("--api-key", default=None, help=f"require Authorization: Bearer KEY (or set {command.KEY_ENV})")
     p.add_argument("--drain-timeout", type=_number(0), default=command.DRAIN_S,
                    help=f"seconds Ctrl-C waits for running replies (default {command.DRAIN_S:g})")

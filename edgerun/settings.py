@@ -105,3 +105,4 @@ KV_CACHE_GIB = 4.0  # saved KV states (resumable conversations and prompts): the
 KV_CACHE_MIN_TOKENS = 128  # a context holding fewer tokens is not saved: evaluating them is quick
 HUB_TIMEOUT_S = 5.0  # how long to wait for the hub before falling back to the mirror
 PREFILL_SHARE = 0.5  # edgerun serve: the most of the engine's time prompts take while replies decode
+PROMPT_CACHE_MIB = 1024  # edgerun serve: KV states of prompts that left their slot, kept in RAM

@@ -98,3 +98,36 @@ def test_the_scheduler_holds_prompt_chunks_back_while_the_pacer_says_so(tiny_mod
         sched.pacer.credit = 0.0
         sched._step()
         assert len(runner.ctx.held(long.seq)) == 37 and all(len(j.tokens) == 4 for j in short)
+
+
+def test_a_prompt_that_left_its_slot_comes_back_from_the_prompt_cache(tiny_model):
+    """One slot: a second conversation takes it, the first comes back. Its prompt is restored
+    from RAM (one token evaluated, for its logits) and its reply at T=0 is the one it had."""
+    from edgerun.runner import Runner
+    from edgerun.serve.metrics import Metrics
+    from edgerun.serve.scheduler import Job, Scheduler
+    from edgerun.settings import EngineSettings, SamplerSettings
+
+    with Runner(tiny_model, EngineSettings(n_ctx=512, n_threads=1, n_seq=1)) as runner:
+        metrics = Metrics()
+        sched = Scheduler(runner, metrics, queue_limit=4, step_tokens=256, solo=False)
+        evaluated = lambda: metrics.registry.get_sample_value("edgerun_prompt_tokens_evaluated_total")
+
+        def served(prompt: list[int]) -> Job:
+            job = Job(prompt, SamplerSettings(temperature=0.0), 12, [], sink=lambda _event: None)
+            sched.submit(job)
+            sched._admit()
+            while job in sched._active:
+                sched._step()
+            return job
+
+        first = list(range(40, 140))  # 100 tokens: above the cache's minimum
+        a = served(first)
+        b = served(list(range(150, 250)))
+        assert b.cached == 0 and len(sched.prompt_cache) == 1
+        before = evaluated()
+        again = served(first)
+        assert again.cached == len(first) - 1 and evaluated() - before == 1
+        assert again.tokens == a.tokens
+        assert metrics.registry.get_sample_value("edgerun_prompt_cache_restored_tokens_total") >= len(first)
+        assert len(sched.prompt_cache) == 2  # the second conversation's state, kept when it left the slot

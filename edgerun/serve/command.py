@@ -78,7 +78,7 @@ def serve(args, load_runner) -> int:
             if alias not in state.names:
                 state.names.append(alias)
         scheduler = Scheduler(runner, state.metrics, queue_limit=args.queue, step_tokens=args.prefill_chunk,
-                              prefill_share=args.prefill_share)
+                              prefill_share=args.prefill_share, cache_bytes=args.cache_ram << 20)
         scheduler.start()
         state.scheduler = scheduler
         shown = f"[{host}]" if ":" in host else host

@@ -28,6 +28,10 @@ class Metrics:
                                    "KV positions held by every slot, running or cached (a shared prefix counts per slot)",
                                    registry=r)
         self.kv_cells_running = Gauge("edgerun_kv_cells_running", "KV positions held by running requests", registry=r)
+        self.prompt_cache_bytes = Gauge("edgerun_prompt_cache_bytes", "KV states kept in RAM for prompts that left their slot",
+                                        registry=r)
+        self.prompt_cache_restored = Counter("edgerun_prompt_cache_restored_tokens",
+                                             "Tokens of KV restored from the prompt cache into a slot", registry=r)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

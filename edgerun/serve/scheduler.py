@@ -9,7 +9,8 @@ on the server goes through the same decode loop as `edgerun run` (generate(), wi
 drafter or the draft model and the governor); when another request arrives it is handed over,
 between two rounds, to the batched steps, which decode plainly. A finished reply's slot keeps its KV as a prompt cache: a new request
 takes the idle slot whose cache shares the longest prefix with its prompt (of those alike, the
-lowest numbered), or copies a running slot's prefix when that is longer.
+lowest numbered), copies a running slot's prefix when that is longer, or restores a state the
+prompt cache kept in RAM when a slot's KV was given to another request (serve/prompt_cache.py).
 
 Each slot is a KV stream of its own, and llama.cpp decodes a batch's rows of consecutive slot
 numbers as one ubatch: a batch of slots 0-3 and 5 is two passes over the weights. Taking the lowest
@@ -32,8 +33,9 @@ from edgerun.errors import EdgerunError, EngineError
 from edgerun.runner import Runner
 from edgerun.runtime.engine import common_prefix
 from edgerun.serve.metrics import Metrics
+from edgerun.serve.prompt_cache import PromptCache
 from edgerun.serve.text import ReplyText
-from edgerun.settings import PREFILL_SHARE, SamplerSettings
+from edgerun.settings import PREFILL_SHARE, PROMPT_CACHE_MIB, SamplerSettings
 
 log = logging.getLogger("edgerun.serve")
 
@@ -142,7 +144,8 @@ class Job:
 
 class Scheduler:
     def __init__(self, runner: Runner, metrics: Metrics, *, queue_limit: int, step_tokens: int,
-                 prefill_share: float = PREFILL_SHARE, solo: bool = True, clock: Callable[[], float] = time.perf_counter):
+                 prefill_share: float = PREFILL_SHARE, cache_bytes: int = PROMPT_CACHE_MIB << 20, solo: bool = True,
+                 clock: Callable[[], float] = time.perf_counter):
         self.runner, self.ctx, self.model, self.metrics = runner, runner.ctx, runner.model, metrics
         self.parallel = self.ctx.n_seq
         # replies alone keep the target's logits readable: a batched step may take over any round
@@ -150,6 +153,7 @@ class Scheduler:
         self.queue_limit, self.solo = queue_limit, solo
         self.step_tokens = max(self.parallel + 1, min(step_tokens, self.ctx.n_batch))
         self.pacer, self._clock = PrefillPacer(prefill_share), clock
+        self.prompt_cache = PromptCache(cache_bytes)
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []  # in admission order: the oldest pending prompt fills first
@@ -231,23 +235,50 @@ class Scheduler:
         self.metrics.queued.set(len(self._waiting))
 
     def _place(self, job: Job) -> None:
-        """Give the job a slot and the longest prefix of its prompt the KV already holds."""
+        """Give the job a slot and the longest prefix of its prompt the KV already holds: an idle
+        slot's cache, a running slot's prefix (copied) or a state from the prompt cache (restored),
+        whichever is longest; what a slot held before is kept in the prompt cache."""
         ctx, prompt = self.ctx, job.prompt
         best = max(self._idle, key=lambda s: (ctx.shared_prefix(prompt, s), -s))
         reuse = ctx.shared_prefix(prompt, best)
         shared, donor = max(((common_prefix(ctx.held(j.seq), prompt), j.seq) for j in self._active), default=(0, -1))
-        if shared > reuse + COPY_GAIN:
-            seq = min(self._idle, key=lambda s: (len(ctx.held(s)), s))  # the smallest cache makes room
-            reuse = min(shared, len(prompt) - 1)
+        saved, entry = self.prompt_cache.best(prompt)
+        roomiest = min(self._idle, key=lambda s: (len(ctx.held(s)), s))  # the smallest cache makes room
+        if shared > reuse + COPY_GAIN and shared >= saved:
+            seq, reuse = roomiest, min(shared, len(prompt) - 1)
+            self._keep(seq, 0)
             ctx.copy_prefix(donor, seq, reuse)
+        elif entry is not None and saved > reuse + COPY_GAIN and self._restore(roomiest, entry):
+            seq, reuse = roomiest, min(saved, len(prompt) - 1)
+            ctx.trim(reuse, seq)
         else:
             seq, reuse = best, min(reuse, len(prompt) - 1)
+            self._keep(seq, reuse)
             ctx.trim(reuse, seq)
         room = ctx.n_ctx - len(prompt) - governor.K_MAX  # as generate() counts it
         job.seq, job.cached = seq, reuse
         job.text = ReplyText(self.model, job.stop, max(1, min(job.max_tokens, room)))
         job.params, job.rng = native_params(job.sampling), native_rng(job.sampling.seed)
         del self._idle[seq]
+
+    def _keep(self, seq: int, keep: int) -> None:
+        """Before the slot keeps only `keep` of the tokens it holds: save them all in the prompt
+        cache when what is lost is worth it."""
+        held = self.ctx.held(seq)
+        if len(held) - keep >= self.prompt_cache.min_tokens and self.prompt_cache.wants(held):
+            self.prompt_cache.put(list(held), self.ctx.state_bytes(seq))
+            self.metrics.prompt_cache_bytes.set(self.prompt_cache.bytes)
+
+    def _restore(self, seq: int, entry) -> bool:
+        self._keep(seq, 0)
+        try:
+            self.ctx.restore_state(entry.state, entry.tokens, seq)
+        except EngineError:  # the slot is empty then: the prompt is evaluated instead
+            log.exception("restoring a cached prompt failed")
+            return False
+        self.prompt_cache.used(entry)
+        self.metrics.prompt_cache_restored.inc(len(entry.tokens))
+        return True
 
     def _end_cancelled(self) -> None:
         for job in [j for j in self._active if j.cancel.is_set()]:
