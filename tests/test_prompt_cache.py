@@ -8,8 +8,8 @@ def state(n: int) -> bytearray:
 
 
 def test_the_longest_shared_prefix_wins_and_short_prompts_are_not_kept():
-    cache = PromptCache(10_000, min_tokens=4)
-    cache.put([1, 2, 3], state(10))  # under min_tokens
+    cache = PromptCache(10_000, min_gain=4)
+    cache.put([1, 2, 3], state(10))  # under min_gain
     assert len(cache) == 0
     cache.put([1, 2, 3, 4, 5, 6], state(10))
     cache.put([1, 2, 9, 9, 9, 9], state(10))
@@ -19,7 +19,7 @@ def test_the_longest_shared_prefix_wins_and_short_prompts_are_not_kept():
 
 
 def test_a_longer_state_replaces_the_ones_it_continues():
-    cache = PromptCache(10_000, min_tokens=2)
+    cache = PromptCache(10_000, min_gain=2)
     cache.put([1, 2, 3], state(30))
     cache.put([1, 2, 3, 4, 5], state(50))
     assert len(cache) == 1 and cache.bytes == 50
@@ -29,7 +29,7 @@ def test_a_longer_state_replaces_the_ones_it_continues():
 
 
 def test_the_least_recently_used_goes_first_when_over_the_bytes():
-    cache = PromptCache(100, min_tokens=2)
+    cache = PromptCache(100, min_gain=2)
     cache.put([1, 1], state(40))
     cache.put([2, 2], state(40))
     cache.used(cache.best([1, 1])[1])  # [1, 1] is now the newest
@@ -42,7 +42,7 @@ def test_the_least_recently_used_goes_first_when_over_the_bytes():
 
 
 def test_a_cache_of_no_bytes_keeps_nothing():
-    cache = PromptCache(0, min_tokens=1)
+    cache = PromptCache(0, min_gain=1)
     assert not cache.wants([1, 2, 3])
     cache.put([1, 2, 3], state(0))
     assert len(cache) == 0

@@ -121,7 +121,7 @@ def test_a_prompt_that_left_its_slot_comes_back_from_the_prompt_cache(tiny_model
                 sched._step()
             return job
 
-        first = list(range(40, 140))  # 100 tokens: above the cache's minimum
+        first = list(range(40, 140))  # 100 tokens
         a = served(first)
         b = served(list(range(150, 250)))
         assert b.cached == 0 and len(sched.prompt_cache) == 1

@@ -40,9 +40,6 @@ from edgerun.settings import PREFILL_SHARE, PROMPT_CACHE_MIB, SamplerSettings
 log = logging.getLogger("edgerun.serve")
 
 COPY_GAIN = 32  # share a running slot's prefix only when it saves this many tokens over an idle cache
-# restore a prompt cache entry when it saves this many: a memory copy of its state against the
-# evaluation of the tokens (16 are ~130 ms of a 0.5B's prefill on 2 cores, a restore ~1 ms per MB)
-RESTORE_GAIN = 16
 BANK_STEPS = 4  # decode steps' worth of share that may be saved up: short prompts seldom wait
 SMOOTHING = 0.3  # weight of the newest decode-only step in its running duration
 
@@ -251,7 +248,7 @@ class Scheduler:
             seq, reuse = roomiest, min(shared, len(prompt) - 1)
             self._keep(seq, 0)
             ctx.copy_prefix(donor, seq, reuse)
-        elif entry is not None and saved >= reuse + RESTORE_GAIN and self._restore(roomiest, entry):
+        elif entry is not None and saved >= reuse + self.prompt_cache.min_gain and self._restore(roomiest, entry):
             seq, reuse = roomiest, min(saved, len(prompt) - 1)
             ctx.trim(reuse, seq)
         else:
@@ -268,7 +265,7 @@ class Scheduler:
         """Before the slot keeps only `keep` of the tokens it holds: save them all in the prompt
         cache when what is lost is worth it."""
         held = self.ctx.held(seq)
-        if len(held) - keep >= self.prompt_cache.min_tokens and self.prompt_cache.wants(held):
+        if len(held) - keep >= self.prompt_cache.min_gain and self.prompt_cache.wants(held):
             self.prompt_cache.put(list(held), self.ctx.state_bytes(seq))
             self.metrics.prompt_cache_bytes.set(self.prompt_cache.bytes)
 
