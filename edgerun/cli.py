@@ -242,7 +242,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per engine step, running replies' included: a long prompt is evaluated in"
                         " chunks of about this size between their tokens (default 256)")
     p.add_argument("--prefill-share", type=_number(0, 1, low_open=True), default=defaults.PREFILL_SHARE,
-                   help="the most of the engine's time prompts take while replies decode: a long prompt slows"
+                   help="the most of the engine's time prompts take while replies decode (more when more wait than"
+                        " decode): a long prompt slows"
                         f" running replies to about 1/(1-SHARE) of their speed (default {defaults.PREFILL_SHARE:g})")
     p.add_argument("--cache-ram", type=_number(0, whole=True), default=defaults.PROMPT_CACHE_MIB, metavar="MIB",
                    help="RAM for the KV of prompts that left their slot, restored when a request comes back to them"

@@ -54,7 +54,9 @@ class PrefillPacer:
     step it rides with is paid back by decode-only steps before the next chunk goes, so while
     replies decode the prompts take at most `share` of the time: the replies' TPOT during a
     prefill stays within about 1 / (1 - share) of their plain TPOT, and a prompt that arrives
-    among them takes about 1 / share as long to fill. With nothing decoding, prompts take every
+    among them takes about 1 / share as long to fill. The share grows to the waiting prompts' part
+    of the requests (15 prompts waiting beside one reply get 15/16 of the time: a burst of new
+    requests is not held back for one stream's sake). With nothing decoding, prompts take every
     step; share 1 gives them every step always."""
 
     def __init__(self, share: float = PREFILL_SHARE):
@@ -64,11 +66,16 @@ class PrefillPacer:
         self.credit = 0.0  # seconds of prompt time the replies have earned; a chunk goes at >= 0
         self.decode_s: float | None = None  # a decode-only step's duration, smoothed
 
-    def may_chunk(self, decoding: bool) -> bool:
-        return not decoding or self.share >= 1.0 or self.credit >= 0.0
+    def share_for(self, decoding: int, waiting: int) -> float:
+        return max(self.share, waiting / (waiting + decoding)) if waiting + decoding else 1.0
 
-    def record(self, seconds: float, *, decoding: bool, chunked: bool) -> None:
-        """One step done: `decoding` whether it carried replies' tokens, `chunked` prompt chunks."""
+    def may_chunk(self, decoding: int, waiting: int = 1) -> bool:
+        """`decoding`: replies decoding; `waiting`: prompts not yet filled."""
+        return not decoding or self.share_for(decoding, waiting) >= 1.0 or self.credit >= 0.0
+
+    def record(self, seconds: float, *, decoding: int, chunked: bool, waiting: int = 1) -> None:
+        """One step done: `decoding` replies' tokens it carried, `chunked` whether it carried prompt
+        chunks, `waiting` the prompts not filled before it."""
         if not decoding:
             self.credit = 0.0  # nothing waited on the prompts: no debt, no savings
             return
@@ -78,8 +85,9 @@ class PrefillPacer:
             decode = seconds
             self.decode_s = seconds if self.decode_s is None else self.decode_s + SMOOTHING * (seconds - self.decode_s)
         # keeps prompt_time <= share / (1 - share) * reply_time: credit = share * D - (1 - share) * P
-        self.credit += self.share * decode - (1.0 - self.share) * (seconds - decode)
-        self.credit = min(self.credit, self.share * BANK_STEPS * (self.decode_s or 0.0))
+        share = self.share_for(decoding, waiting)
+        self.credit += share * decode - (1.0 - share) * (seconds - decode)
+        self.credit = min(self.credit, share * BANK_STEPS * (self.decode_s or 0.0))
 
     def idle(self) -> None:
         """No replies are being batched (the engine is idle or a reply runs alone)."""
@@ -323,7 +331,8 @@ class Scheduler:
             if job.last is not None:
                 rows.append((job.seq, [job.last], True))
                 decoding.append(job)
-        budget = self.step_tokens - len(rows) if self.pacer.may_chunk(bool(rows)) else 0
+        waiting = sum(1 for job in self._active if job.last is None)
+        budget = self.step_tokens - len(rows) if self.pacer.may_chunk(len(rows), waiting) else 0
         filled = []  # (job, row) of the prompts whose last chunk is in this batch
         for job in self._active:
             if budget <= 0:
@@ -344,7 +353,7 @@ class Scheduler:
             for seq, _, _ in rows:
                 self.ctx.drop_unrecorded(seq)
             raise
-        self.pacer.record(self._clock() - start, decoding=bool(decoding), chunked=len(rows) > len(decoding))
+        self.pacer.record(self._clock() - start, decoding=len(decoding), chunked=len(rows) > len(decoding), waiting=waiting)
         for job, i in zip(decoding, outputs):
             self._pick(job, i)
         for job, row in filled:
