@@ -11,8 +11,8 @@ from edgerun.serve.scheduler import BANK_STEPS, PrefillPacer
 def test_nothing_decoding_lets_every_step_carry_prompts():
     pacer = PrefillPacer(0.5)
     for seconds in (5.0, 3.0, 9.0):
-        pacer.record(seconds, decoding=False, chunked=True)
-        assert pacer.may_chunk(decoding=False) and pacer.may_chunk(decoding=True)
+        pacer.record(seconds, decoding=0, waiting=1, chunked=True)
+        assert pacer.may_chunk(0, 1) and pacer.may_chunk(1, 1)
 
 
 def test_a_chunk_is_paid_back_by_decode_steps_before_the_next():
@@ -21,12 +21,12 @@ def test_a_chunk_is_paid_back_by_decode_steps_before_the_next():
     0.1 s) before prompts ride again."""
     pacer = PrefillPacer(0.5)
     for _ in range(10):
-        pacer.record(0.1, decoding=True, chunked=False)
+        pacer.record(0.1, decoding=1, waiting=1, chunked=False)
     assert pacer.credit == pytest.approx(0.5 * BANK_STEPS * 0.1)
-    pacer.record(2.6, decoding=True, chunked=True)
+    pacer.record(2.6, decoding=1, waiting=1, chunked=True)
     held = 0
-    while not pacer.may_chunk(decoding=True):
-        pacer.record(0.1, decoding=True, chunked=False)
+    while not pacer.may_chunk(1, 1):
+        pacer.record(0.1, decoding=1, waiting=1, chunked=False)
         held += 1
     assert held == round((2.5 * 0.5 - 0.05 - 0.2) / 0.05)  # 20 steps: 2.0 s of decoding
     pacer.idle()
@@ -35,10 +35,10 @@ def test_a_chunk_is_paid_back_by_decode_steps_before_the_next():
 
 def test_share_one_never_holds_a_prompt_back():
     pacer = PrefillPacer(1.0)
-    pacer.record(0.1, decoding=True, chunked=False)
+    pacer.record(0.1, decoding=1, waiting=1, chunked=False)
     for _ in range(5):
-        pacer.record(10.0, decoding=True, chunked=True)
-        assert pacer.may_chunk(decoding=True)
+        pacer.record(10.0, decoding=1, waiting=1, chunked=True)
+        assert pacer.may_chunk(1, 1)
 
 
 def test_a_burst_of_prompts_beside_few_replies_gets_their_part_of_the_time():

@@ -1,9 +1,9 @@
 """The server's prompt cache in host memory: the KV state of a prompt whose slot is taken by
-another request is kept here (llama.cpp's per-sequence state, a few hundred KB per hundred tokens
-of a 0.5B model), so a request that comes back to it (the next turn of one of several
-conversations an editor or agent keeps going, a system prompt shared by requests that are not
-running now) restores it into a slot instead of evaluating it again. Restoring is a memory copy;
-evaluating a 1,000-token prompt on a 2-core CPU is seconds.
+another request is kept here (llama.cpp's per-sequence state, 12 KiB a token of the 0.5B), so a
+request that comes back to it (the next turn of one of several conversations an editor or agent
+keeps going, a system prompt shared by requests that are not running now) restores it into a slot
+instead of evaluating it again. For 2,000 tokens of the 0.5B on the 2-core CPU: saving 19 ms,
+restoring 5 ms, evaluating 15 s.
 
 Bounded by bytes, least recently used out first. An entry whose tokens another entry continues is
 dropped for the longer one (the longer one serves every prompt the shorter did)."""
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from edgerun.runtime.engine import common_prefix
 
-# tokens an entry must save to be kept or restored: a restore is a memory copy (about 1 ms per MB),
-# the evaluation it saves ~8 ms a token of a 0.5B's prefill on 2 cores
+# tokens an entry must save to be kept or restored: a few evaluated tokens cost more than saving
+# and restoring a whole long state (the figures above: 7.5 ms a token against ~12 ms per 1,000)
 MIN_GAIN = 16
 
 
@@ -29,7 +29,7 @@ class Entry:
 class PromptCache:
     def __init__(self, limit_bytes: int, min_gain: int = MIN_GAIN):
         self.limit_bytes, self.min_gain = limit_bytes, min_gain
-        self._entries: collections.OrderedDict[tuple[int, ...], Entry] = collections.OrderedDict()  # oldest first
+        self._entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()  # by id, oldest first
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -45,9 +45,8 @@ class PromptCache:
         return shared, found
 
     def used(self, entry: Entry) -> None:
-        key = tuple(entry.tokens)
-        if self._entries.get(key) is entry:
-            self._entries.move_to_end(key)
+        if id(entry) in self._entries:
+            self._entries.move_to_end(id(entry))
 
     def wants(self, tokens: list[int]) -> bool:
         """Whether a state holding `tokens` would be kept (the scheduler asks before it serializes)."""
@@ -61,10 +60,11 @@ class PromptCache:
         for key, old in list(self._entries.items()):  # entries the new one continues
             if common_prefix(old.tokens, tokens) == len(old.tokens):
                 self._drop(key)
-        self._entries[tuple(tokens)] = Entry(list(tokens), state)
+        entry = Entry(list(tokens), state)
+        self._entries[id(entry)] = entry
         self.bytes += len(state)
         while self.bytes > self.limit_bytes:
             self._drop(next(iter(self._entries)))
 
-    def _drop(self, key: tuple[int, ...]) -> None:
+    def _drop(self, key: int) -> None:
         self.bytes -= len(self._entries.pop(key).state)

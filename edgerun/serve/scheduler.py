@@ -69,11 +69,11 @@ class PrefillPacer:
     def share_for(self, decoding: int, waiting: int) -> float:
         return max(self.share, waiting / (waiting + decoding)) if waiting + decoding else 1.0
 
-    def may_chunk(self, decoding: int, waiting: int = 1) -> bool:
+    def may_chunk(self, decoding: int, waiting: int) -> bool:
         """`decoding`: replies decoding; `waiting`: prompts not yet filled."""
         return not decoding or self.share_for(decoding, waiting) >= 1.0 or self.credit >= 0.0
 
-    def record(self, seconds: float, *, decoding: int, chunked: bool, waiting: int = 1) -> None:
+    def record(self, seconds: float, *, decoding: int, waiting: int, chunked: bool) -> None:
         """One step done: `decoding` replies' tokens it carried, `chunked` whether it carried prompt
         chunks, `waiting` the prompts not filled before it."""
         if not decoding:
@@ -353,7 +353,7 @@ class Scheduler:
             for seq, _, _ in rows:
                 self.ctx.drop_unrecorded(seq)
             raise
-        self.pacer.record(self._clock() - start, decoding=len(decoding), chunked=len(rows) > len(decoding), waiting=waiting)
+        self.pacer.record(self._clock() - start, decoding=len(decoding), waiting=waiting, chunked=len(rows) > len(decoding))
         for job, i in zip(decoding, outputs):
             self._pick(job, i)
         for job, row in filled:
