@@ -6,15 +6,23 @@ runs the fast tier alone."""
 from __future__ import annotations
 
 import os
-import signal
-from collections import Counter
-from pathlib import Path
 
-import pytest
-from hypothesis import settings
+# numpy's OpenBLAS starts a thread per core at import, and they spin a while: 0.1 s of CPU in every
+# process that imports numpy, and the suite starts some 150 of them (its pytest-xdist workers, each
+# edgerun command, server and quantizer it runs). The tests' arrays are small, so one thread does
+# their algebra as fast. Set before the first numpy import; the workers and every process a test
+# starts inherit it.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from edgerun.models import catalog, fetch
-from edgerun.settings import THREADS_ENV, physical_cores
+import signal  # noqa: E402
+from collections import Counter  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+from edgerun.models import catalog, fetch  # noqa: E402
+from edgerun.settings import THREADS_ENV, physical_cores  # noqa: E402
 
 # Hypothesis fails an example that takes over 200 ms by default: a reading of the clock that a
 # busy machine (or two pytest-xdist workers on two cores) can fail. The examples are bounded by

@@ -4,6 +4,7 @@ and the new model loaded as target with a same-vocab draft offered."""
 
 from __future__ import annotations
 
+import threading
 
 import pytest
 
@@ -76,6 +77,15 @@ async def test_convert_in_the_app_cancel_resume_report_register_and_use(home, tm
 
     # the worker yields the CPU to the chat; here, beside other tests' load, it must not starve
     monkeypatch.setattr(convert, "WORKER_NICE", 0)
+    # the tiny model converts in a moment: the worker waits at the step after calibration until the
+    # cancel button has been pressed, so that the press lands mid-conversion however loaded the machine
+    pressed, record = threading.Event(), ConvertJob.progress
+
+    def progress(job, label, done, total):
+        record(job, label, done, total)
+        if step_of(label) == "sensitivity":
+            pressed.wait(60)
+    monkeypatch.setattr(ConvertJob, "progress", progress)
     from testkit.tiny import write_tiny_checkpoint
 
     src = write_tiny_checkpoint(tmp_path / "hf", "qwen2")
@@ -94,6 +104,8 @@ async def test_convert_in_the_app_cancel_resume_report_register_and_use(home, tm
         await wait_for(pilot, lambda: app.convert_job is not None and "calibrate" in app.convert_job.finished)
         screen.query_one("#cancel-convert").press()
         first = app.convert_job
+        await wait_for(pilot, first.cancel.is_set)
+        pressed.set()
         await wait_for(pilot, lambda: not first.running)
         assert first.state == "cancelled" and "report" not in first.finished
         await wait_for(pilot, lambda: "cancelled" in notes(app))

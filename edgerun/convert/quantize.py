@@ -17,22 +17,24 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-import llama_cpp
 import numpy as np
 
-from edgerun import _native
 from edgerun.convert.atomic import atomic_path
 from edgerun.convert.imatrix import Imatrix
 from edgerun.errors import ConvertError
 
 # The child process imports this module, once per quantize: what only the parent's checks use
-# (gguf-py, sensitivity.py and what it brings, the settings) is imported where they run.
+# (llama-cpp-python, gguf-py, sensitivity.py and what it brings, the settings) is imported where
+# they run. The child loads llama.cpp through the native extension alone: importing llama_cpp's
+# Python side would cost it 0.15 s of CPU per quantize, and a convert runs several.
 
 Progress = Callable[[str, int, int], None]
 
 
 def ftype_value(name: str) -> int:
     """llama.h's llama_ftype for a name like "Q4_K_M" (the base recipe of the quantize)."""
+    import llama_cpp
+
     value = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name.upper()}", None)
     if value is None:
         raise ConvertError(f"unknown quantization {name!r}; use a llama.cpp type such as Q4_K_M, Q3_K_M or Q8_0")
@@ -50,6 +52,7 @@ def check_overrides(src: Path, overrides: dict[str, str]) -> list[tuple[str, int
     rows the type can hold (else llama.cpp would silently pick another type)."""
     import gguf
 
+    from edgerun import _native
     from edgerun.convert.sensitivity import block_size
 
     if not overrides:
@@ -135,6 +138,9 @@ def _run_child(job: dict, tmp: str, imatrix_path: Path | None, progress: Progres
 def _child_main(job_json: str, progress_fd: int) -> int:
     """The child process: quantize into job["dst"]. Terminal Ctrl-C reaches the whole process
     group; the parent alone decides what it means, so the child ignores it."""
+    # the extension links llama.cpp by its soname; with no llama_cpp module here it is the only copy
+    from edgerun import _native_ext
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     job = json.loads(job_json)
@@ -142,7 +148,7 @@ def _child_main(job_json: str, progress_fd: int) -> int:
     if job["imatrix"]:
         values = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in Imatrix.load(job["imatrix"]).values.items()}
     overrides = [(pattern, int(t)) for pattern, t in job["overrides"]]
-    rc, errors = _native.quantize_model(job["src"], job["dst"], job["ftype"], job["n_threads"], True, overrides,
+    rc, errors = _native_ext.quantize_model(job["src"], job["dst"], job["ftype"], job["n_threads"], True, overrides,
                                         values, progress_fd)
     if rc != 0:
         sys.stderr.write(errors)  # the parent reads it into its ConvertError
