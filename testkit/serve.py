@@ -14,7 +14,25 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import httpx
+from openai import AsyncOpenAI, OpenAI
+
 READY = re.compile(r"edgerun serve: ready at (http://\S+/v1)")
+# httpx builds an SSL context for every client it makes (the CA bundle read and parsed: about 35 ms
+# of CPU), even for one that only speaks http:// to 127.0.0.1: the tests' clients share this one
+TLS = httpx.create_ssl_context()
+
+
+def client(url: str, api_key: str = "unused", timeout: float = 120.0) -> OpenAI:
+    """The official client for a test server; no retries, so a failure shows as it happens."""
+    return OpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=timeout,
+                  http_client=httpx.Client(verify=TLS))
+
+
+def async_client(url: str, api_key: str = "unused", timeout: float = 300.0) -> AsyncOpenAI:
+    """client()'s asyncio twin, for many requests at once."""
+    return AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=timeout,
+                       http_client=httpx.AsyncClient(verify=TLS))
 
 
 @dataclass

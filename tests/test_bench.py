@@ -194,14 +194,14 @@ def test_registry_names_every_scenario_with_its_parser():
         build_parser().parse_args(["bench", "spec", "--repeat", "0"])
 
 
-def test_unknown_and_duplicate_scenarios():
+def test_unknown_and_duplicate_scenarios(capsys):
     with pytest.raises(ConfigError, match="no bench scenario named 'nope'; there are: spec"):
         scenario.get("nope")
     spec = scenario.get("spec")
     assert scenario.register(spec) is spec  # re-registering the same one (a re-import) is harmless
     with pytest.raises(ValueError, match="two bench scenarios"):
         scenario.register(dataclasses.replace(spec, help="another"))
-    proc = edgerun("bench", "nope")
+    proc = run_cli(capsys, "bench", "nope")
     assert proc.returncode == 2 and "invalid choice: 'nope'" in proc.stderr and "Traceback" not in proc.stderr
 
 

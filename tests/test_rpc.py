@@ -1,8 +1,9 @@
 """ggml's RPC backend: `edgerun rpc-server` processes on 127.0.0.1 and a Runner with `--rpc`.
 
-Every server a test starts is a real `edgerun rpc-server` process, stopped when the test ends
-(killed if it does not stop). The splits are checked against llama.cpp's own accounting (the
-memory each server reports in use after the load) and the replies against a local run."""
+Every server is a real `edgerun rpc-server` process, stopped when the test that starts it ends
+(the pair two tests share: when the second ends; killed if it does not stop). The splits are
+checked against llama.cpp's own accounting (the memory each server reports in use after the load)
+and the replies against a local run."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from edgerun.errors import ConfigError, EngineError
 from edgerun.runtime import placement, rpc
 from edgerun.runner import Runner
 from edgerun.settings import EngineSettings, SamplerSettings
+from testkit.cli import run_cli
 
 MiB = 2**20
 GREEDY = SamplerSettings(temperature=0.0)
@@ -175,42 +177,50 @@ def test_the_server_refuses_a_port_in_use_and_warns_off_loopback():
 
 # --- a tiny model split over two servers ------------------------------------------------------
 
-def test_a_tiny_model_split_over_two_servers_replies_as_the_local_run(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Two servers of 0.5 GiB, fresh for the split test; the timeout test after it silences one,
+    so it is their last client."""
+    with servers(tmp_path_factory.mktemp("rpc"), 2, mem_gib=0.5) as got:
+        yield got
+
+
+def test_a_tiny_model_split_over_two_servers_replies_as_the_local_run(tiny_model, pair):
     settings = EngineSettings(n_ctx=512, n_threads=1, gpu_layers="0")
     with Runner(tiny_model, settings, draft="none") as local:
         want = _reply(local, "split me", 48)
-    with servers(tmp_path, 2, mem_gib=0.5) as (eps, _):
-        with Runner(tiny_model, settings.replace(rpc=",".join(eps)), draft="none") as remote:
-            assert [s.blocks for s in remote.plan.devices.shares] == [1, 1]  # equal servers: one block each
-            assert remote.plan.devices.cpu_blocks == 0
-            assert all(d.speed and d.speed > 0 for d in remote.remote)  # each device's probe ran on it
-            held = _used(remote)
-            assert all(n > 0 for n in held), held  # each server holds its share (weights and KV)
-            sent_before = rpc.traffic()[0]
-            assert _reply(remote, "split me", 48) == want
-            assert rpc.traffic()[0] > sent_before  # the decode steps went over the sockets
-        from edgerun import doctor
+    eps, _ = pair
+    with Runner(tiny_model, settings.replace(rpc=",".join(eps)), draft="none") as remote:
+        assert [s.blocks for s in remote.plan.devices.shares] == [1, 1]  # equal servers: one block each
+        assert remote.plan.devices.cpu_blocks == 0
+        assert all(d.speed and d.speed > 0 for d in remote.remote)  # each device's probe ran on it
+        held = _used(remote)
+        assert all(n > 0 for n in held), held  # each server holds its share (weights and KV)
+        sent_before = rpc.traffic()[0]
+        assert _reply(remote, "split me", 48) == want
+        assert rpc.traffic()[0] > sent_before  # the decode steps went over the sockets
+    from edgerun import doctor
 
-        text = doctor.report(str(tiny_model), ",".join(eps))  # the plan as `edgerun doctor --rpc` shows it
-        assert "RPC backend: built in (GGML_RPC=ON)" in text
-        assert sum(f"at {ep}:" in text for ep in eps) == 2
-        assert text.count("streams weights at") == 3 and "? (not measured)" not in text  # this CPU and each device
-        assert f"0/2 layers on the local CPU" in text and f"({eps[1]}) + head" in text
+    text = doctor.report(str(tiny_model), ",".join(eps))  # the plan as `edgerun doctor --rpc` shows it
+    assert "RPC backend: built in (GGML_RPC=ON)" in text
+    assert sum(f"at {ep}:" in text for ep in eps) == 2
+    assert text.count("streams weights at") == 3 and "? (not measured)" not in text  # this CPU and each device
+    assert f"0/2 layers on the local CPU" in text and f"({eps[1]}) + head" in text
 
 
-def test_a_server_that_stops_answering_ends_the_reply_within_the_timeout(tiny_model, tmp_path):
+def test_a_server_that_stops_answering_ends_the_reply_within_the_timeout(tiny_model, pair):
     settings = EngineSettings(n_ctx=512, n_threads=1, gpu_layers="0", rpc_timeout_s=2)
-    with servers(tmp_path, 2, mem_gib=0.5) as (eps, started):
-        with Runner(tiny_model, settings.replace(rpc=",".join(eps)), draft="none") as runner:
-            assert len(_reply(runner, "warm", 4)) == 4
-            started[1].pause()  # SIGSTOP: alive but silent; only the timeout can end the wait
-            start = time.monotonic()
-            with pytest.raises(EngineError, match=f"rpc server {eps[1]} stopped answering"):
-                _reply(runner, "and now", 200)
-            assert time.monotonic() - start < 2 + 10  # the timeout, plus scheduling on a loaded machine
-            # the runner stays usable as an object: a new reply says the same at once, close frees it
-            with pytest.raises(EngineError, match=eps[1]):
-                _reply(runner, "again", 4)
+    eps, started = pair
+    with Runner(tiny_model, settings.replace(rpc=",".join(eps)), draft="none") as runner:
+        assert len(_reply(runner, "warm", 4)) == 4
+        started[1].pause()  # SIGSTOP: alive but silent; only the timeout can end the wait
+        start = time.monotonic()
+        with pytest.raises(EngineError, match=f"rpc server {eps[1]} stopped answering"):
+            _reply(runner, "and now", 200)
+        assert time.monotonic() - start < 2 + 10  # the timeout, plus scheduling on a loaded machine
+        # the runner stays usable as an object: a new reply says the same at once, close frees it
+        with pytest.raises(EngineError, match=eps[1]):
+            _reply(runner, "again", 4)
 
 
 # --- the real 1.5B over two capped servers (model tier) ---------------------------------------
@@ -249,11 +259,12 @@ def test_the_1_5b_split_over_two_capped_servers_equals_the_local_run(target_mode
             assert start is not None and time.monotonic() - start < settings.rpc_timeout_s
 
 
-def test_bench_rpc_measures_both_sides_and_the_bytes_per_step(tiny_model, tmp_path):
+def test_bench_rpc_measures_both_sides_and_the_bytes_per_step(tiny_model, tmp_path, capsys):
+    # the bench in this process (testkit.cli): its servers and `edgerun run` turns are its children
+    # as they are the command's
     out = tmp_path / "rpc.json"
-    proc = subprocess.run([sys.executable, "-m", "edgerun.cli", "bench", "rpc", "-m", str(tiny_model), "--repeat", "1",
-                           "--tokens", "16", "--threads", "1", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_cli(capsys, "bench", "rpc", "-m", tiny_model, "--repeat", "1", "--tokens", "16", "--threads", "1",
+                   "--json", out)
     assert proc.returncode == 0, proc.stderr
     import json
 

@@ -12,21 +12,25 @@ import pytest
 from openai import OpenAI
 
 from testkit import serve
+from testkit.cli import run_cli
 
 PARALLEL = 16  # 16 clients at once decode in one batch
+# how long a signal lets a running reply finish: a bound, not a speed (a busy machine is slow)
+DRAIN = ("--drain-timeout", "120")
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
+    """The module's server; the last test of the file stops it with a signal."""
     # one thread: the tiny model's steps take a fraction of a millisecond, and two threads meeting at
     # llama.cpp's barriers on two busy cores wait a scheduler turn at each (a 24-token reply: 5 s)
-    with serve.running(tiny_model, "--parallel", str(PARALLEL), "--ctx", "1024", "--threads", "1") as s:
+    with serve.running(tiny_model, "--parallel", str(PARALLEL), "--ctx", "1024", "--threads", "1", *DRAIN) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(server) -> OpenAI:
-    return OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    return serve.client(server.url)
 
 
 def model_name(client: OpenAI) -> str:
@@ -39,7 +43,7 @@ def chat(client, content="hello there", **kw):
 
 
 def test_health_and_models(server, client, tiny_model):
-    assert httpx.get(server.root + "/health").json()["status"] == "ok"
+    assert httpx.get(server.root + "/health", verify=serve.TLS).json()["status"] == "ok"
     names = [m.id for m in client.models.list().data]
     assert names == [str(tiny_model)]
 
@@ -130,7 +134,7 @@ BAD = [
 @pytest.mark.parametrize("body,status,code", BAD, ids=range(len(BAD)))
 def test_bad_requests_get_an_openai_shaped_error(server, client, body, status, code):
     body = body.replace(b"MODEL", model_name(client).encode())
-    reply = httpx.post(server.url + "/chat/completions", content=body, timeout=60)
+    reply = httpx.post(server.url + "/chat/completions", content=body, timeout=60, verify=serve.TLS)
     assert reply.status_code == status
     error = reply.json()["error"]
     assert error["message"] and "\n" not in error["message"] and error["type"] == "invalid_request_error"
@@ -146,7 +150,7 @@ def test_the_openai_client_sees_a_bad_request_error(client):
 
 
 def metric(server, name: str) -> float:
-    for line in httpx.get(server.root + "/metrics").text.splitlines():
+    for line in httpx.get(server.root + "/metrics", verify=serve.TLS).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")
@@ -158,7 +162,7 @@ def test_metrics_count_what_was_served(server, client):
     assert metric(server, "edgerun_generated_tokens_total") - before == reply.usage.completion_tokens
     assert metric(server, "edgerun_requests_running") == 0
     assert metric(server, "edgerun_kv_cells") >= PARALLEL * 1024
-    text = httpx.get(server.root + "/metrics").text
+    text = httpx.get(server.root + "/metrics", verify=serve.TLS).text
     assert "edgerun_time_to_first_token_seconds_bucket" in text and "edgerun_time_per_output_token_seconds_count" in text
 
 
@@ -182,7 +186,7 @@ def alone_and_together(client, model_path, n: int, max_tokens: int, near_tie: fl
     asks = [[{"role": "user", "content": f"Write about topic {i} at length, please."}] for i in range(n)]
 
     async def together():
-        aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key="unused", max_retries=0, timeout=300)
+        aclient = serve.async_client(str(client.base_url))
         try:
             return await asyncio.gather(*[aclient.chat.completions.create(
                 model=name, messages=m, max_tokens=max_tokens, temperature=0) for m in asks])
@@ -207,23 +211,32 @@ def test_sixteen_clients_at_once_get_the_replies_they_get_alone(client, tiny_mod
     alone_and_together(client, tiny_model, 16, 32, threads=1)
 
 
-def test_served_alone_the_reply_is_edgerun_runs(tiny_model, edgerun_home):
-    """Same prompt, same sampler settings and seed: the same tokens as `edgerun run`, greedy and
-    sampled (each request alone on a fresh server, as a single reply decodes in the same loop)."""
-    import subprocess
-    import sys
+KEY = "sesame"
 
+
+@pytest.fixture(scope="module")
+def lone_server(tiny_model, tmp_path_factory):
+    """A server of its own with an API key: the one a reply alone is compared on (the key changes
+    no reply) and the key is checked on; the last test of the file stops it with a signal. A home
+    of its own, as `edgerun run` gets in the test."""
+    home = {"EDGERUN_HOME": str(tmp_path_factory.mktemp("lone") / "home")}
+    with serve.running(tiny_model, "--api-key", KEY, "--ctx", "1024", "--threads", "1", *DRAIN, env=home) as s:
+        yield s
+
+
+def test_served_alone_the_reply_is_edgerun_runs(lone_server, tiny_model, edgerun_home, capsys):
+    """Same prompt, same sampler settings and seed: the same tokens as `edgerun run`, greedy and
+    sampled (each request alone on a server of its own, as a single reply decodes in the same
+    loop). `edgerun run` is cli.main in this process: the same code as the command."""
     prompt = "Tell me a story about a fox"
-    with serve.running(tiny_model, "--ctx", "1024", "--threads", "1") as s:
-        c = OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
-        for temp, seed in ((0.0, None), (0.9, 4242), (1.3, 7)):
-            sampling = ["--temp", str(temp)] + (["--seed", str(seed)] if seed is not None else [])
-            run = subprocess.run([sys.executable, "-m", "edgerun.cli", "run", prompt, "-m", str(tiny_model),
-                                  "--ctx", "1024", "--threads", "1", "-n", "40", "--no-kv-cache", *sampling],
-                                 capture_output=True, timeout=120)  # bytes: a reply may hold a bare \r
-            assert run.returncode == 0, run.stderr
-            served = chat(c, prompt, temperature=temp, max_tokens=40, **({"seed": seed} if seed is not None else {}))
-            assert served.choices[0].message.content == run.stdout.decode().removesuffix("\n"), (temp, seed)
+    c = serve.client(lone_server.url, KEY)
+    for temp, seed in ((0.0, None), (0.9, 4242), (1.3, 7)):
+        sampling = ["--temp", str(temp)] + (["--seed", str(seed)] if seed is not None else [])
+        run = run_cli(capsys, "run", prompt, "-m", tiny_model, "--ctx", "1024", "--threads", "1", "-n", "40",
+                      "--no-kv-cache", *sampling)
+        assert run.returncode == 0, run.stderr  # capsys translates no newline: a bare \r stays
+        served = chat(c, prompt, temperature=temp, max_tokens=40, **({"seed": seed} if seed is not None else {}))
+        assert served.choices[0].message.content == run.stdout.removesuffix("\n"), (temp, seed)
 
 
 def test_the_next_turn_of_a_conversation_reuses_its_kv(server, client):
@@ -302,21 +315,23 @@ def test_a_step_fills_the_waiting_prompts_within_its_budget(tiny_model):
 
 def test_clients_that_hang_up_mid_stream_free_their_slots(server, client):
     """200 requests, most dropped after their first tokens: afterwards nothing runs, the KV held
-    by running requests is back to zero, the server answers, and its memory stayed bounded."""
+    by running requests is back to zero, the server answers, and its memory stayed bounded. A
+    dropped reply may run to 200 tokens, so the engine is still decoding it when its client goes;
+    every fifth is read to its end, a short one (24 tokens) decoded beside them."""
     name = model_name(client)
     proc = psutil.Process(server.proc.pid)
     rss_before = proc.memory_info().rss
 
     async def one(http: httpx.AsyncClient, i: int) -> None:
-        body = {"model": name, "messages": [{"role": "user", "content": f"drop {i}"}], "max_tokens": 200,
-                "temperature": 0.8, "stream": True}
+        body = {"model": name, "messages": [{"role": "user", "content": f"drop {i}"}],
+                "max_tokens": 200 if i % 5 else 24, "temperature": 0.8, "stream": True}
         async with http.stream("POST", server.url + "/chat/completions", json=body) as reply:
             async for line in reply.aiter_lines():
                 if line.startswith("data:") and i % 5:
                     return  # hang up after the first event
 
     async def main():
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx.AsyncClient(timeout=120, verify=serve.TLS) as http:
             for start in range(0, 200, 20):
                 await asyncio.gather(*[one(http, i) for i in range(start, start + 20)])
     asyncio.run(main())
@@ -331,44 +346,38 @@ def test_clients_that_hang_up_mid_stream_free_their_slots(server, client):
     assert proc.memory_info().rss - rss_before < 200 << 20
 
 
-def test_a_key_is_required_when_given(tiny_model):
-    with serve.running(tiny_model, "--api-key", "sesame", "--ctx", "512", "--threads", "1") as s:
-        assert httpx.get(s.root + "/health").status_code == 200  # a probe needs no key
-        for headers in ({}, {"Authorization": "Bearer wrong"}):
-            reply = httpx.get(s.url + "/models", headers=headers)
-            assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
-        with pytest.raises(openai.AuthenticationError):
-            OpenAI(base_url=s.url, api_key="wrong", max_retries=0).models.list()
-        assert OpenAI(base_url=s.url, api_key="sesame").models.list().data
+def test_a_key_is_required_when_given(lone_server):
+    s = lone_server
+    assert httpx.get(s.root + "/health", verify=serve.TLS).status_code == 200  # a probe needs no key
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        reply = httpx.get(s.url + "/models", headers=headers, verify=serve.TLS)
+        assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        serve.client(s.url, "wrong").models.list()
+    assert serve.client(s.url, KEY).models.list().data
 
 
-def test_another_address_needs_a_key(tiny_model):
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "edgerun.cli", "serve", "-m", str(tiny_model), "--host", "0.0.0.0"],
-                          capture_output=True, text=True, timeout=60)
+def test_another_address_needs_a_key(tiny_model, capsys):
+    proc = run_cli(capsys, "serve", "-m", tiny_model, "--host", "0.0.0.0")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--api-key" in proc.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_drains_the_running_reply_and_exits_0(tiny_model, sig):
-    s = serve.start(tiny_model, "--ctx", "512", "--threads", "1", "--drain-timeout", "120")  # a bound, not a speed: a busy machine is slow
-    try:
-        c = OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=60)
-        stream = c.chat.completions.create(model=model_name(c), messages=[{"role": "user", "content": "go"}],
-                                           max_tokens=60, temperature=0, stream=True)
-        first = next(iter(stream))
-        s.proc.send_signal(sig)
-        rest = [chunk for chunk in stream]
-        assert first and rest[-1].choices[0].finish_reason in ("stop", "length")  # drained, not cut
-        assert s.proc.wait(60) == 0
-    finally:
-        s.stop()
+def test_a_signal_drains_the_running_reply_and_exits_0(request, sig):
+    """Each of the module's servers ends here, after serving the file's other tests: these run last."""
+    s = request.getfixturevalue("lone_server" if sig == signal.SIGINT else "server")
+    c = serve.client(s.url, KEY, timeout=60)
+    stream = c.chat.completions.create(model=model_name(c), messages=[{"role": "user", "content": "go"}],
+                                       max_tokens=60, temperature=0, stream=True)
+    first = next(iter(stream))
+    s.proc.send_signal(sig)
+    rest = [chunk for chunk in stream]
+    assert first and rest[-1].choices[0].finish_reason in ("stop", "length")  # drained, not cut
+    assert s.proc.wait(60) == 0
 
 
 def test_sixteen_clients_at_once_with_the_small_model(small_model):
     with serve.running(small_model, "--parallel", "16", "--ctx", "512", "--threads", "2") as s:
-        c = OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=300)
+        c = serve.client(s.url, timeout=300)
         # the 0.5B parts at a near tie in about half of 16 replies of 32 tokens: each parting is checked
         alone_and_together(c, small_model, 16, 32, NEAR_TIE_REAL, min_same=0.0)

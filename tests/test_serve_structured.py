@@ -7,7 +7,6 @@ import json
 import jsonschema
 import openai
 import pytest
-from openai import OpenAI
 
 from edgerun.runner import Runner
 from edgerun.serve import tools as toolcalls
@@ -41,7 +40,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "The
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
     with serve.running(tiny_model, "--parallel", "2", "--ctx", "1024", "--threads", "1") as s:
-        yield OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
+        yield serve.client(s.url)
 
 
 def _ask(client, content, **kw):
@@ -166,7 +165,7 @@ def test_auto_tools_leave_the_reply_free_until_the_tag_then_admit_only_a_call(ti
 @pytest.fixture(scope="module")
 def small(small_model):
     with serve.running(small_model, "--parallel", "1", "--ctx", "2048", "--threads", "2") as s:
-        yield OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=300)
+        yield serve.client(s.url, timeout=300)
 
 
 def test_tool_calls_whole_streamed_and_answered(small):

@@ -8,8 +8,9 @@ import threading
 
 import pytest
 
+from edgerun import user_settings
 from edgerun.models import local
-from edgerun.settings import EngineSettings
+from edgerun.settings import THREADS_ENV, EngineSettings
 from edgerun.tui.app import EdgerunApp
 from edgerun.tui.convert import STEPS, ConvertJob, ConvertScreen, options_from_form, step_of
 from edgerun.tui.screens import ModelScreen
@@ -32,8 +33,9 @@ def home(tmp_path, monkeypatch):
 def form(tmp_path, src, changes=None):
     calib = tmp_path / "calib.txt"
     calib.write_text(CALIB)
+    # one evaluation chunk: the report's figures need one, not the default's sixteen
     values = {"src": str(src), "budget_kind": "bpw", "budget": "6", "calib": "file", "calib_file": str(calib),
-              "name": "tiny-6bpw", "weigh": False, "i_quants": True, "stock": False}
+              "eval_chunks": "1", "name": "tiny-6bpw", "weigh": False, "i_quants": True, "stock": False}
     return values | (changes or {})
 
 
@@ -49,7 +51,9 @@ def test_form_errors_are_one_line_and_steps_are_mapped(home, tmp_path):
     for changes, needle in (({"src": ""}, "give what to convert"), ({"name": "a/b"}, "model name"),
                             ({"name": "qwen2.5-coder-0.5b"}, "catalog model"), ({"budget": "x"}, "a number"),
                             ({"budget_kind": "size", "budget": "lots"}, "is not a size"),
-                            ({"calib_file": ""}, "calibration text file"), ({}, "no such file or directory")):
+                            ({"calib_file": ""}, "calibration text file"),
+                            ({"eval_chunks": "many"}, "evaluation chunks"), ({"eval_chunks": "-1"}, "evaluation chunks"),
+                            ({}, "no such file or directory")):
         with pytest.raises(EdgerunError, match=needle):
             options_from_form(form(tmp_path, src, changes))
     assert [step_of(lab) for lab in ("write GGUF", "calibrate (cached)", "sensitivity (i-quants)", "weigh roles",
@@ -77,6 +81,10 @@ async def test_convert_in_the_app_cancel_resume_report_register_and_use(home, tm
 
     # the worker yields the CPU to the chat; here, beside other tests' load, it must not starve
     monkeypatch.setattr(convert, "WORKER_NICE", 0)
+    # one llama.cpp thread for the chat, the conversion and its quantizer, as under two xdist
+    # workers: on the tiny model a second thread mostly spins at ggml's barriers (0.5-2 CPU seconds
+    # of this test on a busy 2-core machine)
+    monkeypatch.setenv(THREADS_ENV, "1")
     # the tiny model converts in a moment: the worker waits at the step after calibration until the
     # cancel button has been pressed, so that the press lands mid-conversion however loaded the machine
     pressed, record = threading.Event(), ConvertJob.progress
@@ -91,6 +99,8 @@ async def test_convert_in_the_app_cancel_resume_report_register_and_use(home, tm
     src = write_tiny_checkpoint(tmp_path / "hf", "qwen2")
     # a same-vocab model already here (the chat's tiny model, registered): the draft to be offered
     local.register("tiny-chat", tiny_model, origin="test", report={})
+    # a short reply: the chat has only to answer while the conversion runs, not write 512 tokens
+    user_settings.save(user_settings.UserSettings().replace(max_tokens=16))
     app = EdgerunApp(str(tiny_model), draft="none", engine=EngineSettings(n_ctx=512, gpu_layers="0"))
     async with app.run_test(size=(120, 50)) as pilot:
         await wait_for(pilot, lambda: app.session is not None)

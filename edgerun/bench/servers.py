@@ -120,8 +120,10 @@ class Server:
 def _health(url: str) -> bool:
     import httpx
 
+    from edgerun.bench.loadgen import tls
+
     try:
-        return httpx.get(url + "/health", timeout=5).status_code == 200
+        return httpx.get(url + "/health", timeout=5, verify=tls()).status_code == 200
     except httpx.HTTPError:
         return False
 

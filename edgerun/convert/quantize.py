@@ -15,18 +15,19 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
-
-import numpy as np
+from typing import TYPE_CHECKING, Callable
 
 from edgerun.convert.atomic import atomic_path
-from edgerun.convert.imatrix import Imatrix
 from edgerun.errors import ConvertError
+
+if TYPE_CHECKING:
+    from edgerun.convert.imatrix import Imatrix
 
 # The child process imports this module, once per quantize: what only the parent's checks use
 # (llama-cpp-python, gguf-py, sensitivity.py and what it brings, the settings) is imported where
 # they run. The child loads llama.cpp through the native extension alone: importing llama_cpp's
-# Python side would cost it 0.15 s of CPU per quantize, and a convert runs several.
+# Python side would cost it 0.15 s of CPU per quantize, and a convert runs several. NumPy (0.12 s
+# of CPU) is imported only by a child that reads an imatrix.
 
 Progress = Callable[[str, int, int], None]
 
@@ -146,6 +147,10 @@ def _child_main(job_json: str, progress_fd: int) -> int:
     job = json.loads(job_json)
     values = {}
     if job["imatrix"]:
+        import numpy as np
+
+        from edgerun.convert.imatrix import Imatrix
+
         values = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in Imatrix.load(job["imatrix"]).values.items()}
     overrides = [(pattern, int(t)) for pattern, t in job["overrides"]]
     rc, errors = _native_ext.quantize_model(job["src"], job["dst"], job["ftype"], job["n_threads"], True, overrides,

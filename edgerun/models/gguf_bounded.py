@@ -48,11 +48,25 @@ class BoundedReader(GGUFReader):
         self._array_items = 0
         super().__init__(path, "r")
 
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        # gguf-py maps the file as an np.memmap; each of its thousands of small slices and views then
+        # runs memmap's Python-level __array_finalize__ (a third of a small file's parse). A plain
+        # ndarray view of the same mapping reads the same bytes without it.
+        self._data = value.view(np.ndarray)
+
     def _get(self, offset, dtype, count=1, override_order=None):
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        """gguf-py's _get with the end checked (its slice would come back short), read the same way."""
+        dtype, offset = np.dtype(dtype), int(offset)
+        end = offset + dtype.itemsize * int(count)
         if end > len(self.data):
             raise PastEnd(f"needs bytes up to {end}, the file has {len(self.data)}")
-        return super()._get(offset, dtype, count, override_order)
+        arr = self.data[offset:end].view(dtype)
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
     def _get_field_parts(self, orig_offs, raw_type):
         if raw_type != GGUFValueType.ARRAY:
@@ -110,13 +124,14 @@ def _string_spans(data: np.ndarray, offs: int, count: int) -> tuple[np.ndarray, 
     spans = array.array("q")
     size = len(data)
     buf = memoryview(data)
+    unpack, append = _U64.unpack_from, spans.append  # bound once: this loop runs once a token
     for _ in range(count):
-        (n,) = _U64.unpack_from(buf, _need(offs + 8, size) - 8)
+        (n,) = unpack(buf, _need(offs + 8, size) - 8)
         offs += 8
         if n > size - offs:
             raise PastEnd(f"a string of {n} bytes at {offs} runs past the end ({size})")
-        spans.append(offs)
-        spans.append(n)
+        append(offs)
+        append(n)
         offs += n
     return np.frombuffer(spans, dtype=np.int64).reshape(-1, 2), offs
 

@@ -227,10 +227,29 @@ def _raise(message: str):
     raise TemplateError(message)
 
 
+_FOLD_MAX_CHARS = 1 << 16  # far above any real template's constant text
+
+
 def _env():
+    from jinja2 import nodes
+    from jinja2.compiler import CodeGenerator
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    class SmallConstants(CodeGenerator):
+        """Jinja computes constant output (`{{ 'x' * 10**8 }}`) while compiling and writes its repr
+        into the generated Python source: a 100 MB value costs ~2 s of compile and several times
+        its memory. A large one is left to render time, where the output cap stops it in 0.1 s."""
+
+        def _output_child_to_const(self, node, frame, finalize):
+            const = super()._output_child_to_const(node, frame, finalize)
+            if len(const) > _FOLD_MAX_CHARS:
+                raise nodes.Impossible()
+            return const
+
+    # optimized=False: the optimizer would fold the same constants into the tree before the code
+    # generator sees them
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, optimized=False)
+    env.code_generator_class = SmallConstants
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.filters["tojson"] = _tojson

@@ -16,8 +16,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import llama_cpp
-
 from edgerun.errors import ConfigError, EngineError
 
 DEFAULT_PORT = 50052
@@ -30,6 +28,10 @@ class _Lib:
     """The ggml functions used here, bound once."""
 
     def __init__(self) -> None:
+        # here, not at the top: the CLI's parser reads DEFAULT_PORT, and a command that fails on its
+        # arguments (or asks for --help) need not load llama.cpp (about 0.2 s of CPU)
+        import llama_cpp
+
         libdir = Path(llama_cpp.__file__).parent / "lib"
         self.base = ctypes.CDLL(str(libdir / "libggml-base.so"))
         self.ggml = ctypes.CDLL(str(libdir / "libggml.so"))

@@ -3,7 +3,6 @@ signal, drain, exit 0."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ipaddress
 import os
@@ -49,6 +48,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(args, load_runner) -> int:
     """load_runner(): the Runner for args (commands.py builds it, as for `run`)."""
+    import asyncio  # here, not at the top: every command's parser reads this module's defaults
+
     import uvicorn
 
     from edgerun.serve.app import ServerState, create_app

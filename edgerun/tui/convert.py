@@ -142,7 +142,7 @@ def draft_candidates(name: str) -> list[str]:
 def options_from_form(values: dict) -> tuple[str, object]:
     """(name, pipeline.ConvertOptions) from the form's values, checked; ConfigError/ConvertError
     with a one-line reason otherwise. values: src, budget_kind (size|bpw|preset), budget, calib
-    (a set name or "file"), calib_file, name, weigh, stock, i_quants."""
+    (a set name or "file"), calib_file, eval_chunks, name, weigh, stock, i_quants."""
     from edgerun.convert import pipeline, plan
     from edgerun.errors import ConfigError
     from edgerun.models import local
@@ -168,12 +168,18 @@ def options_from_form(values: dict) -> tuple[str, object]:
         calib = values["calib_file"].strip()
         if not calib:
             raise ConfigError("give the calibration text file, or pick a built-in set")
+    try:
+        eval_chunks = int(values["eval_chunks"].strip())
+    except ValueError:
+        eval_chunks = -1
+    if eval_chunks < 0:
+        raise ConfigError(f"evaluation chunks must be a whole number of at least 0, not {values['eval_chunks']!r}")
     output = local.default_output(name)
     output.parent.mkdir(parents=True, exist_ok=True)
     opts = pipeline.ConvertOptions(
         src=src, output=output, calib=(calib,), report_path=output.with_name(f"{name}.report.json"),
         plot=output.with_name(f"{name}.plot.png") if values["stock"] else None,
-        weigh=values["weigh"], i_quants=values["i_quants"], **budget_opt)
+        eval_chunks=eval_chunks, weigh=values["weigh"], i_quants=values["i_quants"], **budget_opt)
     pipeline.check(opts)
     return name, opts
 
@@ -200,7 +206,7 @@ class ConvertScreen(ModalScreen):
     BINDINGS = [("escape", "dismiss", "Close")]
 
     def compose(self) -> ComposeResult:
-        from edgerun.convert.pipeline import CALIB_SETS
+        from edgerun.convert.pipeline import CALIB_SETS, EVAL_CHUNKS
 
         with VerticalScroll(id="dialog"):
             yield Label("Convert a model", classes="dialog-title")
@@ -215,6 +221,10 @@ class ConvertScreen(ModalScreen):
                 yield Select([(s, s) for s in CALIB_SETS] + [("a text file", "file")], value=CALIB_SETS[0],
                              id="calib", allow_blank=False, compact=True)
                 yield Input(placeholder="text file (for 'a text file')", id="calib-file", compact=True)
+            with Horizontal(classes="field"):
+                yield Label("eval chunks")  # 512-token chunks of held-out code for the report; 0 skips it
+                yield Input(str(EVAL_CHUNKS), placeholder=f"{EVAL_CHUNKS} (0: no quality report)", id="eval-chunks",
+                            compact=True)
             with Horizontal(classes="field"):
                 yield Label("name")
                 yield Input(placeholder="e.g. qwen2.5-coder-1.5b-3bpw", id="name", compact=True)
