@@ -156,6 +156,10 @@ if [ ! -f "$estamp" ] || [ "$(cat "$estamp")" != "$ehash" ]; then
   "$py" -m pip install -q --no-build-isolation -e ".${extras:+[$extras]}" >&2
   echo "$ehash" > "$estamp"
 fi
+# The checkout's bytecode, as pip writes it for a package it installs: where PYTHONDONTWRITEBYTECODE
+# is set, an editable checkout is otherwise compiled afresh in every process that imports it (0.07 s
+# of CPU per `edgerun` process; the test suite starts about 150). Up to date, this takes 0.2 s.
+"$py" -m compileall -q -j 0 edgerun testkit >/dev/null
 
 if [ -n "$bundle" ]; then
   # the bundle's models, copied into the cache under their catalog file names; `pull` then finds
