@@ -12,11 +12,12 @@ import threading
 from pathlib import Path
 
 from edgerun import settings as defaults
-from edgerun.decode.generate import Step
-from edgerun.decode.stats import ReplyStats
 from edgerun.errors import ConfigError, EngineError
 from edgerun.models import catalog, fetch
-from edgerun.models.gguf_check import inspect
+
+# The decode chain (llama-cpp-python, jinja2) and the GGUF checker (gguf-py, numpy) are imported
+# where a command first needs them: together ~0.25 s of CPU that a bad flag, an unknown model,
+# `list` or `rm` does not pay (a refused file pays only the checker's, ~0.15 s).
 
 
 def _err(text: str) -> None:
@@ -52,11 +53,29 @@ def _spec_k(args) -> int | None:
     return int(args.spec_k)
 
 
+def _refuse_early(spec: str, draft: str | None) -> None:
+    """Runner's first checks (resolve the model, then inspect it), made before the decode chain is
+    imported, so a missing or bad model is refused for a fraction of the CPU. Where a draft may be
+    in play Runner resolves and checks it before inspecting the target; then the target is only
+    resolved here, and Runner keeps that order."""
+    path = fetch.resolve(spec)
+    if draft not in (None, "none", "auto"):
+        return
+    if draft == "auto":
+        entry = catalog.load().find(spec)
+        if entry is not None and entry.draft:
+            return
+    from edgerun.models.gguf_check import inspect
+
+    inspect(path)  # a good file is remembered, so Runner's own inspect reads only its structure
+
+
 def _open_runner(args):
+    spec, settings, spec_k = _model_spec(args), _engine_settings(args), _spec_k(args)
+    _refuse_early(spec, args.draft)
     from edgerun.runner import Runner
 
-    runner = Runner(_model_spec(args), _engine_settings(args), draft=args.draft, ngram=args.ngram,
-                    spec_k=_spec_k(args))
+    runner = Runner(spec, settings, draft=args.draft, ngram=args.ngram, spec_k=spec_k)
     for note in runner.notes:
         _err(f"edgerun: note: {note}")
     return runner
@@ -75,6 +94,8 @@ def _sigint_sets(event: threading.Event):
 
 def _stream_to(out, records, stats: ReplyStats) -> str:
     """Write each token's text as it arrives; return the whole reply."""
+    from edgerun.decode.generate import Step
+
     parts = []
     for record in records:
         stats.add(record)
@@ -88,10 +109,12 @@ def _stream_to(out, records, stats: ReplyStats) -> str:
 def _constraint(args):
     """--json-schema or --grammar as a Constraint (None: neither); a bad schema fails here, before
     the model loads (a grammar llama.cpp refuses, when the reply starts)."""
-    from edgerun.decode import constrain
-
     if args.json_schema is not None and args.grammar is not None:
         raise ConfigError("give one of --json-schema and --grammar, not both")
+    if args.json_schema is None and args.grammar is None:
+        return None
+    from edgerun.decode import constrain  # llama-cpp-python: only when a constraint is given
+
     if args.json_schema is not None:
         return constrain.json_schema(constrain.schema_arg(args.json_schema))
     if args.grammar is not None:
@@ -112,6 +135,8 @@ def cmd_run(args) -> int:
             tokens = runner.chat_tokens(messages + [{"role": "user", "content": prompt}])
         states = _state_cache(args, runner)
         resumed = _resume(states, tokens)
+        from edgerun.decode.stats import ReplyStats
+
         stats = ReplyStats()
         cancel = threading.Event()
         with _sigint_sets(cancel):
@@ -242,6 +267,8 @@ def _plain_chat(args) -> int:
 def _chat_turn(runner, messages, sampling, max_tokens, states=None) -> str:
     """One reply. With `states` (no history here: the store's best prefix), a restarted REPL with
     the same system prompt and opening turns restores them."""
+    from edgerun.decode.stats import ReplyStats
+
     stats = ReplyStats()
     cancel = threading.Event()
     tokens = runner.chat_tokens(messages)
@@ -375,6 +402,8 @@ def cmd_pull(args) -> int:
     if entry is not None:
         print(fetch.pull(entry, say=_err))
         return 0
+    from edgerun.models.gguf_check import inspect
+
     path = fetch.resolve(args.model)  # a local file: validate it, print where it is
     print(inspect(path).path)
     return 0

@@ -6,8 +6,6 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-import psutil
-
 from edgerun.errors import ConfigError
 
 THREADS_ENV = "EDGERUN_THREADS"
@@ -15,6 +13,8 @@ THREADS_ENV = "EDGERUN_THREADS"
 
 def physical_cores() -> int:
     """llama.cpp decodes fastest with one thread per physical core (hyper-threads only contend)."""
+    import psutil  # ~25 ms at import; every edgerun process reads this module, few call this
+
     return psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
 
 

@@ -121,14 +121,15 @@ def _run(args: argparse.Namespace, say) -> dict:
     flags += ["--max-vram", str(args.max_vram)] if args.max_vram is not None else []
     with _servers(kinds, mems, args.server_threads) as eps:
         # an rpc-server serves one client at a time: each side is a process of its own, in turns, and
-        # the in-process Runner that counts the bytes per step is closed before the turns start
+        # the in-process Runner that counts the bytes per step is closed before the turns start; its
+        # replies are also the servers' warm-up (the same model on the same split)
         with Runner(model, engine.replace(rpc=",".join(eps)), draft="none") as remote:
             split, speeds = remote.plan.devices, [d.speed for d in remote.remote]
             say(f"split: {split.describe()}")
             _reply(remote, 4)
             traffic = [_reply(remote, args.tokens)[1] for _ in range(2)]
+            depth = len(remote.raw_tokens(PROMPT))  # the prompt `edgerun run --raw` evaluates
         rpc_flags = [*flags, "--rpc", ",".join(eps)]
-        depth = edgerun_run(model, *rpc_flags, tokens=4)["prompt_tokens"]  # also a warm-up of the servers
         sides = {"rpc": lambda: edgerun_run(model, *rpc_flags, tokens=args.tokens)["decode_tok_s"]}
         if not args.no_local:
             sides = {"local": lambda: edgerun_run(model, *flags, tokens=args.tokens)["decode_tok_s"], **sides}

@@ -6,6 +6,7 @@ No model needed to test it."""
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import statistics
 from dataclasses import dataclass, replace
@@ -106,10 +107,18 @@ def verify_time(state: GovernorState, n: int) -> float | None:
 def curve(state: GovernorState, n_max: int) -> list[float | None]:
     """verify_time of 1..n_max tokens (index n - 1), computed in one pass: the governor weighs up
     to 65 batch sizes every round."""
-    table = dict(state.verify_s)
+    # the sizes seen in a reply count only for a hopeful drafter; leaving them out of the key
+    # lets choose() and given_up() share one computation (a round asks for the same curve up to three times)
+    return list(_curve(state.verify_s, state.verify_seen if state.hopeful else (), state.hopeful, n_max))
+
+
+@functools.lru_cache(maxsize=256)
+def _curve(verify_s: tuple[tuple[int, float], ...], verify_seen: tuple[int, ...], hopeful: bool,
+           n_max: int) -> tuple[float | None, ...]:
+    table = dict(verify_s)
     if not table:
-        return [None] * n_max
-    pts, seen, largest = sorted(table.items()), set(state.verify_seen), max(table)
+        return (None,) * n_max
+    pts, seen, largest = sorted(table.items()), set(verify_seen), max(table)
     lone = lone_row(table)
     # with a lone row's step known, sizes not timed are priced from whole blocks (and one token),
     # then each row past them alone: a timed 17 says nothing about 32 but through its 16
@@ -122,13 +131,13 @@ def curve(state: GovernorState, n_max: int) -> list[float | None]:
                 out.append((table[whole] if whole in table else _line_pts(blocks, whole)) + (n - whole) * lone)
             else:
                 out.append(_line_pts(pts, n))
-        elif not state.hopeful or n in seen or n - 1 not in table or n >= largest:
+        elif not hopeful or n in seen or n - 1 not in table or n >= largest:
             out.append(table[n])
         elif lone and n % BLOCK and n - n % BLOCK in table:  # no dearer than its blocks and rows alone
             out.append(min(table[n], table[n - n % BLOCK] + n % BLOCK * lone))
         else:
             out.append(min(table[n], table[n - 1]))
-    return out
+    return tuple(out)
 
 
 def lone_row(table: dict[int, float]) -> float:
@@ -154,6 +163,8 @@ def _rate_at(costs: list[float | None], alpha: float, draft_step_s: float | None
 
 def _believed(state: GovernorState) -> GovernorState:
     """The state with every timing taken as it is (load-time ones included)."""
+    if not state.hopeful:
+        return state  # the sizes seen in a reply count only for a hopeful drafter (see curve)
     return replace(state, verify_seen=tuple(n for n, _ in state.verify_s))
 
 
@@ -257,7 +268,9 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
         return Decision(Kind.MEASURE, 0, "measuring plain decoding")
     measured = _draft_measured(state)
     best_k, best = _best(state, k_cap, plain) if measured else (0, plain)
-    off = given_up(state, k_cap) if measured else None
+    off = None
+    if measured:  # a drafter that is not hopeful takes every timing as it is: given_up would find this best k again
+        off = given_up(state, k_cap) if state.hopeful else _off_for_good(state, k_cap, plain, best_k)
     if off:
         return off
     if state.plain_from_load and not state.hopeful:

@@ -63,7 +63,7 @@ def distribution(logits, history, *, temperature, top_k, top_p, min_p, repeat_pe
     temperature, top_p, min_p, repeat_penalty = map(_f32, (temperature, top_p, min_p, repeat_penalty))
     l = apply_penalty(np.asarray(logits), history, repeat_penalty, repeat_last_n).astype(np.float64)
     n = len(l)
-    order = sorted(range(n), key=lambda i: (-l[i], i))  # descending, lower id first on ties
+    order = np.argsort(-l, kind="stable")  # descending, lower id first on ties
     keep = top_k if 0 < top_k < n else n
     order = order[:keep]
     top = l[order[0]]

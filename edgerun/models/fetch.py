@@ -22,7 +22,9 @@ from edgerun import paths, settings
 from edgerun.errors import ChecksumMismatch, ConfigError, DiskFull, FetchError, ModelNotFound, UnknownModel
 from edgerun.models import catalog
 from edgerun.models.catalog import CatalogEntry, Source
-from edgerun.models.gguf_check import inspect
+
+# gguf_check (gguf-py, numpy) is imported where a download is validated, so `edgerun list`, `rm`
+# and a model resolved by path do not pay for it
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +337,8 @@ def _pull_locked(entry: CatalogEntry, say: Say) -> Path:
             failures.append(f"{source.describe()}: {reason}")
             say(f"{entry.name}: {source.describe()} failed ({reason}); trying the next source")
             continue
+        from edgerun.models.gguf_check import inspect
+
         inspect(path)
         return path
     raise FetchError(f"could not fetch {entry.name}: " + "; ".join(failures))
@@ -357,6 +361,8 @@ def pull_uri(uri: str) -> Path:
     except Exception as exc:
         raise FetchError(f"could not fetch {uri}: {_short_reason(exc)}") from None
     _check_hub_etag(uri, path)
+    from edgerun.models.gguf_check import inspect
+
     inspect(path)
     return path
 

@@ -26,6 +26,12 @@ class _InitParams(ctypes.Structure):
 
 
 _bound = False
+# (device handle, its total bytes) -> measured speed. ggml registers an endpoint once per process
+# and hands back the same device handle on every later connect, so a handle is one server's
+# device for the process's life; its total memory tells a server restarted there on another
+# device. A probe costs the server ~0.08 s of its CPU: a process that loads several models over
+# the same servers (doctor, then a run; a chat reloading) measures each device once.
+_measured: dict[tuple[int, int], float] = {}
 
 
 def _base() -> ctypes.CDLL:
@@ -52,8 +58,18 @@ def _base() -> ctypes.CDLL:
 
 def weight_bytes_per_s(handle: int, free: int | None = None) -> float | None:
     """Weight bytes per second a matrix-vector product streams on the device (ggml_backend_dev_t),
-    a network round trip included for a remote one; None when the device has no room for the
-    probe or cannot run it."""
+    a network round trip included for a remote one (measured once per device in a process); None
+    when the device has no room for the probe or cannot run it."""
+    key = (handle, rpc.memory(handle)[1])
+    if key not in _measured:
+        speed = _probe(handle, free)
+        if speed is None:  # no room now may be room later: only a measured speed is kept
+            return None
+        _measured[key] = speed
+    return _measured[key]
+
+
+def _probe(handle: int, free: int | None) -> float | None:
     b = _base()
     ctx = b.ggml_init(_InitParams(4 * b.ggml_tensor_overhead() + b.ggml_graph_overhead(), None, True))
     if not ctx:

@@ -34,7 +34,6 @@ from pathlib import Path
 
 from edgerun import paths
 from edgerun.convert.atomic import atomic_path, sweep
-from edgerun.runtime.engine import common_prefix
 
 MAGIC = b"EDGERKV\x00"
 FORMAT = 1
@@ -289,6 +288,10 @@ class KvStore:
     def best_prefix(self, key: StateKey, tokens: list[int]) -> tuple[StateInfo, int] | None:
         """Of the states saved under this key, the one sharing the longest prefix with `tokens`
         and that length (only headers are read)."""
+        # engine pulls in llama-cpp-python (~0.3 s); a process that only lists or removes states
+        # (the history's) never gets here
+        from edgerun.runtime.engine import common_prefix
+
         best = None
         prefix = key.digest() + "-"
         for path in self._files():
