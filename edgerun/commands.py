@@ -17,7 +17,7 @@ from edgerun.models import catalog, fetch
 
 # The decode chain (llama-cpp-python, jinja2) and the GGUF checker (gguf-py, numpy) are imported
 # where a command first needs them: together ~0.25 s of CPU that a bad flag, an unknown model,
-# `list` or `rm` does not pay (a refused file pays only the checker's, ~0.15 s).
+# `list` or `rm` does not pay. A model file is checked by Runner alone, in the order it sets.
 
 
 def _err(text: str) -> None:
@@ -53,26 +53,8 @@ def _spec_k(args) -> int | None:
     return int(args.spec_k)
 
 
-def _refuse_early(spec: str, draft: str | None) -> None:
-    """Runner's first checks (resolve the model, then inspect it), made before the decode chain is
-    imported, so a missing or bad model is refused for a fraction of the CPU. Where a draft may be
-    in play Runner resolves and checks it before inspecting the target; then the target is only
-    resolved here, and Runner keeps that order."""
-    path = fetch.resolve(spec)
-    if draft not in (None, "none", "auto"):
-        return
-    if draft == "auto":
-        entry = catalog.load().find(spec)
-        if entry is not None and entry.draft:
-            return
-    from edgerun.models.gguf_check import inspect
-
-    inspect(path)  # a good file is remembered, so Runner's own inspect reads only its structure
-
-
 def _open_runner(args):
     spec, settings, spec_k = _model_spec(args), _engine_settings(args), _spec_k(args)
-    _refuse_early(spec, args.draft)
     from edgerun.runner import Runner
 
     runner = Runner(spec, settings, draft=args.draft, ngram=args.ngram, spec_k=spec_k)
