@@ -220,11 +220,13 @@ def test_the_match_length_grows_with_the_copy():
         assert d.lookup(4).match == min(i, MATCH_MAX)
 
 
-def test_a_proposal_stops_after_an_end_of_generation_token():
+def test_a_proposal_stops_before_an_end_of_generation_token():
     stop = 99
     d = NgramDrafter(is_stop=lambda t: t == stop)
     d.reset([1, 2, 3, 4, stop, 7, 8, 1, 2])
-    assert d.lookup(10).tokens == [3, 4, stop]
+    assert d.lookup(10).tokens == [3, 4]
+    d.reset([5, 1, 2, stop, 7, 1, 2])  # nothing but the end to propose: no proposal
+    assert d.lookup(10).tokens == []
     assert NgramDrafter().propose(10) == []
     plain = drafter([1, 2, 3, 4, stop, 7, 8, 1, 2])
     assert plain.propose(10) == [3, 4, stop, 7, 8, 1, 2]
@@ -318,6 +320,6 @@ def test_the_pool_never_asks_the_model_about_its_gap():
 
     pool = NgramPool()
     pool.add([1, 2, 3])
-    pool.add([4, 6, 9, 5])
+    pool.add([4, 6, 8, 9, 5])
     assert pool.lookup([1, 2], 5, is_stop).tokens == [3]        # the sequence ends before the gap
-    assert pool.lookup([4, 6], 5, is_stop).tokens == [9]        # cut after the stop token
+    assert pool.lookup([4, 6], 5, is_stop).tokens == [8]        # cut before the stop token

@@ -207,9 +207,10 @@ def test_the_draft_context_gets_the_threads_its_placement_calls_for(small_model)
 # Costs injected as the governor's starting point, so no assertion depends on how fast this machine
 # is: a load-time timing (Runner(costs=...) replaces it) never decides a test. Seconds per batch.
 CHEAP_VERIFY = tuple((n, 1e-4) for n in range(1, governor.K_MAX + 2))  # batching is free
-# the model as its own draft: a draft step costs a plain step, a verify of n costs more than one
-HOPELESS = Costs(tuple((n, 0.03 * (1 + 0.5 * (n - 1))) for n in range(1, governor.K_MAX + 2)),
-                 draft_step_s=0.03, catch_up_s=0.01)
+# a draft that cannot win however fast or slow the machine's real plain step (which a reply times
+# in place of the load-time one): verifies of 100 s and more, draft steps of 10 s
+HOPELESS = Costs(((1, 0.03),) + tuple((n, 100.0 * n) for n in range(2, governor.K_MAX + 2)),
+                 draft_step_s=10.0, catch_up_s=0.01)
 # a plain step "timed" at 1000 s at load: drafting looks good until one real plain step is timed,
 # and then no acceptance can win (verifies of 100 s, draft steps of 10 s), however fast the machine
 SLOW_PLAIN_AT_LOAD = Costs(((1, 1000.0),) + tuple((n, 100.0) for n in range(2, governor.K_MAX + 2)),

@@ -17,10 +17,12 @@ MATCH_BUCKETS = 6    # acceptance kept apart by match length: 2-3, 4-7, 8-15, 16
 EMA = 0.15           # weight of the newest measurement
 PRIOR_ALPHA = 0.6    # acceptance assumed before any draft was verified
 PRIOR_TRIALS = 1.0   # ... worth this many accept/reject decisions
+MATCH_PRIOR_TRIALS = 2.0  # a match class's prior acceptance is worth this many decisions (see predicted_tokens)
 PROBE_FIRST = 8      # plain rounds before re-checking a draft that lost
 PROBE_MAX = 256      # ... growing up to this while it keeps losing
 PROBE_COST_MAX = 0.02  # a re-check may cost at most this share of plain decoding time in draft catch-up
 BLOCK = 4            # llama.cpp's CPU matmul takes a batch's rows this many at a time (see lone_row)
+TILE = 16            # ... and, for weights it does not repack, this many rows per chunk (see curve)
 WARM_ROUNDS = 3      # drafted rounds measured before costs may rule a GPU draft out (first shapes run cold)
 
 
@@ -77,8 +79,12 @@ class GovernorState:
     plain_from_load: bool = False   # the plain step's cost is still the load-time timing: time one in place
     verify_seen: tuple[int, ...] = ()  # batch sizes timed in a reply (the others only at load: a prior)
     hopeful: bool = False  # take a load-time-only timing at its most hopeful (free drafts: n-gram)
-    # (match bucket, accepted_ema, trials_ema, rounds): the n-gram drafter's acceptance by match length
+    # (match bucket, accepted, rejected, rounds): the n-gram drafter's acceptance by match length,
+    # as decayed counts of accept/reject decisions (a Beta posterior; see predicted_tokens)
     by_match: tuple[tuple[int, float, float, int], ...] = ()
+    # (accepted, rejected): the counts of the class the next proposal is in (for_match sets them);
+    # a round's expected tokens then follow what they predict, not the point estimate alpha
+    counts: tuple[float, float] | None = None
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -86,6 +92,32 @@ def expected_tokens(alpha: float, k: int) -> float:
     if alpha >= 1.0:
         return k + 1.0
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def predicted_tokens(accepted: float, rejected: float, k_max: int) -> list[float]:
+    """Mean tokens a round yields with k = 0..k_max drafts when the per-token acceptance is known
+    only through `accepted` and `rejected` decisions (a Beta posterior): 1 + the sum over i <= k
+    of the chance that the first i drafts are all accepted, E[alpha^i] = prod over j < i of
+    (accepted + j) / (accepted + rejected + j).
+    An n-gram proposal is either a copy in progress (nearly every token right, to the copy's
+    end) or a chance match (nearly none), and its first rounds cannot tell which: an acceptance
+    of 0.8 known from five decisions leaves a fair chance that it is 0.99, and then a long draft
+    pays. With the point estimate alone (1 + 0.8 + ... + 0.8^k, never past 5 tokens) a copy
+    drafted 3, then 15, then 35 before its rounds said what the first could have; with the
+    posterior a copy's second round drafts a batch's worth. Many decisions make the two agree."""
+    out, run, total = [1.0], 1.0, 1.0
+    for j in range(k_max):
+        run *= (accepted + j) / (accepted + rejected + j)
+        total += run
+        out.append(total)
+    return out
+
+
+def _gains(state: GovernorState, k_max: int) -> list[float]:
+    """Expected tokens of a round with k = 0..k_max drafts, as the state believes them."""
+    if state.counts is not None:
+        return predicted_tokens(*state.counts, k_max)
+    return [expected_tokens(state.alpha, k) for k in range(k_max + 1)]
 
 
 def verify_time(state: GovernorState, n: int) -> float | None:
@@ -123,12 +155,24 @@ def _curve(verify_s: tuple[tuple[int, float], ...], verify_seen: tuple[int, ...]
     # with a lone row's step known, sizes not timed are priced from whole blocks (and one token),
     # then each row past them alone: a timed 17 says nothing about 32 but through its 16
     blocks = [p for p in pts if p[0] % BLOCK == 0 or p[0] == 1] if lone else pts
+    # The same kernels multiply the weights they do not repack (the output layer's Q6_K among
+    # them) TILE rows of the batch at a time, reading those weights once per chunk, so a size
+    # just past a whole chunk costs more than the line through whole chunks says (1.5B, 2
+    # threads: 32, 44, 48 in 431, 628, 603 ms; the line said 572 for 44). Such a size is priced
+    # as its whole chunks and each row past them at a small batch's cost per row (8 over 4),
+    # up to what the next whole chunk costs, and never below the blocks' price.
+    row = (table[2 * BLOCK] - table[BLOCK]) / BLOCK if lone and BLOCK in table and 2 * BLOCK in table else None
     out = []
     for n in range(1, n_max + 1):
         if n not in table:
             whole = n - n % BLOCK
             if lone and whole >= BLOCK and len(blocks) >= 2:
-                out.append((table[whole] if whole in table else _line_pts(blocks, whole)) + (n - whole) * lone)
+                price = (table[whole] if whole in table else _line_pts(blocks, whole)) + (n - whole) * lone
+                if row is not None and n > TILE and n % TILE:
+                    lower = n - n % TILE
+                    above = table[lower + TILE] if lower + TILE in table else _line_pts(blocks, lower + TILE)
+                    price = max(price, min(out[lower - 1] + (n - lower) * row, above))
+                out.append(price)
             else:
                 out.append(_line_pts(pts, n))
         elif not hopeful or n in seen or n - 1 not in table or n >= largest:
@@ -153,12 +197,12 @@ def lone_row(table: dict[int, float]) -> float:
     return max(0.0, statistics.median(steps)) if steps else 0.0
 
 
-def _rate_at(costs: list[float | None], alpha: float, draft_step_s: float | None, k: int) -> float | None:
+def _rate_at(costs: list[float | None], gains: list[float], draft_step_s: float | None, k: int) -> float | None:
     tv = costs[k]
     if tv is None or (k > 0 and draft_step_s is None):
         return None
     cost = tv + k * (draft_step_s or 0.0)
-    return expected_tokens(alpha, k) / cost if cost > 0 else None
+    return gains[k] / cost if cost > 0 else None
 
 
 def _believed(state: GovernorState) -> GovernorState:
@@ -233,31 +277,44 @@ def match_prior(bucket: int) -> float:
     return PRIOR_ALPHA if bucket == 0 else max(PRIOR_ALPHA, (m + 1) / (m + 2))
 
 
+def _prior_counts(bucket: int) -> tuple[float, float]:
+    prior = match_prior(bucket)
+    return prior * MATCH_PRIOR_TRIALS, (1 - prior) * MATCH_PRIOR_TRIALS
+
+
+def _mean(counts: tuple[float, float]) -> float:
+    return counts[0] / (counts[0] + counts[1])
+
+
 def for_match(state: GovernorState, match: int | None) -> GovernorState:
     """The state with the acceptance learned for proposals of this match length (the class's
     prior while it has no rounds yet); the state as it is when match is None."""
     if match is None:
         return state
     bucket = match_bucket(match)
-    learned = {b: accepted_ema / trials_ema for b, accepted_ema, trials_ema, _ in state.by_match}
-    # a class without rounds yet: a longer match is at least as likely right as a shorter one,
-    # so an exact copy that held at full acceptance for 8 tokens vouches for the same copy at
-    # 16 before a round of 16 has run (a short reply has few rounds to learn each class in)
-    shorter = max((alpha for b, alpha in learned.items() if b < bucket), default=0.0)
-    return replace(state, alpha=learned.get(bucket, max(match_prior(bucket), shorter)))
+    learned = {b: (accepted, rejected) for b, accepted, rejected, _ in state.by_match}
+    counts = learned.get(bucket)
+    if counts is None:
+        # a class without rounds yet: a longer match is at least as likely right as a shorter
+        # one, so an exact copy that held for 8 tokens vouches for the same copy at 16 before a
+        # round of 16 has run (a short reply has few rounds to learn each class in)
+        counts = max([_prior_counts(bucket), *(c for b, c in learned.items() if b < bucket)], key=_mean)
+    return replace(state, alpha=_mean(counts), counts=counts)
 
 
 def rate(state: GovernorState, k: int) -> float | None:
     """Expected tokens per second with k drafts (None while a cost is unknown)."""
-    return _rate_at(curve(state, k + 1), state.alpha, state.draft_step_s, k)
+    return _rate_at(curve(state, k + 1), _gains(state, k), state.draft_step_s, k)
 
 
 def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
-           horizon: int | None = None, match: int | None = None) -> Decision:
+           horizon: int | None = None, match: int | None = None, ends: bool = False) -> Decision:
     """k for the next round and why. `available` caps k (an n-gram drafter's proposal length);
     `lag`: tokens the draft must prefill before it can draft (its prompt, a plain stretch);
     `horizon`: tokens the reply may still produce, over which drafting must win that back;
-    `match`: the n-gram proposal's match length (its acceptance class)."""
+    `match`: the n-gram proposal's match length (its acceptance class); `ends`: the proposal is
+    all there is to copy (the earlier text, or the reply's budget, ends after it), so drafts
+    left out of this round cost a round of their own (see _best)."""
     state = for_match(state, match)
     k_cap = state.k_max if available is None else min(state.k_max, available)
     k_cap = min(k_cap, explore_cap(state))
@@ -267,7 +324,8 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
     if plain is None:
         return Decision(Kind.MEASURE, 0, "measuring plain decoding")
     measured = _draft_measured(state)
-    best_k, best = _best(state, k_cap, plain) if measured else (0, plain)
+    end = available if ends and available is not None and available <= state.k_max else None
+    best_k, best = _best(state, k_cap, plain, end) if measured else (0, plain)
     off = None
     if measured:  # a drafter that is not hopeful takes every timing as it is: given_up would find this best k again
         off = given_up(state, k_cap) if state.hopeful else _off_for_good(state, k_cap, plain, best_k)
@@ -335,12 +393,24 @@ def _draft_measured(state: GovernorState) -> bool:
     return state.draft_step_s is not None and len(state.verify_s) >= 2 and state.drafted_rounds >= state.warm_rounds
 
 
-def _best(state: GovernorState, k_cap: int, plain: float) -> tuple[int, float]:
-    """The k with the highest expected rate, and that rate (0 and plain when no k beats plain)."""
+def _best(state: GovernorState, k_cap: int, plain: float, end: int | None = None) -> tuple[int, float]:
+    """The k with the highest expected rate, and that rate (0 and plain when no k beats plain).
+    `end`: the proposal's length when nothing follows it to copy. Then k drafts short of the
+    end leave the rest (end - k - 1 drafts, since the round's own pick takes one) to a round of
+    their own, and k is judged over both rounds: a copy ending 21 tokens on, with 16 costing
+    316 ms, 21 about 450, 4 about 130 and 2 about 130 (1.5B, 2 threads), drafted 15, 3 and 1
+    (three rounds, 620 ms) where 20 at once does it in one."""
     best_k, best = 0, plain
-    costs = curve(state, k_cap + 1)
+    reach = k_cap if end is None else max(k_cap, end)
+    costs, gains = curve(state, reach + 1), _gains(state, reach)
     for k in range(1, k_cap + 1):
-        r = _rate_at(costs, state.alpha, state.draft_step_s, k)
+        r = _rate_at(costs, gains, state.draft_step_s, k)
+        if r is not None and end is not None and k < end and costs[end - k - 1] is not None:
+            # the rest's round comes only if all k drafts are accepted (chance `held`), and then it
+            # yields what the first end - 1 drafts would beyond the first k, the target's pick too
+            held, rest = gains[k] - gains[k - 1], end - k - 1
+            step = state.draft_step_s or 0.0
+            r = (gains[end - 1] + held) / (costs[k] + k * step + held * (costs[rest] + rest * step))
         if r is not None and r > best:
             best_k, best = k, r
     return best_k, best
@@ -375,8 +445,8 @@ def caught_up(state: GovernorState, tokens: int, seconds: float) -> GovernorStat
 def hopeless(state: GovernorState, k_cap: int, plain: float) -> bool:
     """True when the measured costs alone rule drafting out: with every draft accepted, no k
     beats plain decoding. Then re-checking acceptance cannot help, so the governor stops probing."""
-    costs = curve(_believed(state), k_cap + 1)
-    return all((_rate_at(costs, 1.0, state.draft_step_s, k) or 0.0) <= plain for k in range(1, k_cap + 1))
+    costs, every = curve(_believed(state), k_cap + 1), [k + 1.0 for k in range(k_cap + 1)]
+    return all((_rate_at(costs, every, state.draft_step_s, k) or 0.0) <= plain for k in range(1, k_cap + 1))
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -432,15 +502,16 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
 
 
 def _fold_match(state: GovernorState, match: int, accepted: int, failures: int) -> tuple:
-    """by_match with one drafted round of this match length folded in (a class seen for the
-    first time starts from its prior, worth PRIOR_TRIALS decisions). A class's first rounds are
-    averaged (the i-th weighs 1 / (i + 1)) until that falls to EMA: chance matches in fresh code
-    are then off after a round or two instead of the eight an EMA from the prior would take."""
+    """by_match with one drafted round of this match length folded in: its decisions added to
+    the class's counts (a class seen for the first time starts from its prior, worth
+    MATCH_PRIOR_TRIALS decisions), what the class knew before weighing 1 - EMA, so a session's
+    old rounds fade. A chance match in fresh code that drafts 3 and has none accepted adds one
+    rejection to a prior worth two: the class is off after a round or two."""
     bucket = match_bucket(match)
-    rows = {b: (a, t, n) for b, a, t, n in state.by_match}
-    a, t, n = rows.get(bucket, (match_prior(bucket) * PRIOR_TRIALS, PRIOR_TRIALS, 0))
-    w = max(EMA, 1 / (n + 2))
-    rows[bucket] = ((1 - w) * a + w * accepted, (1 - w) * t + w * (accepted + failures), n + 1)
+    rows = {b: (a, r, n) for b, a, r, n in state.by_match}
+    a, r, n = rows.get(bucket, (*_prior_counts(bucket), 0))
+    keep = 1 - EMA
+    rows[bucket] = (keep * a + accepted, keep * r + failures, n + 1)
     return tuple((b, *row) for b, row in sorted(rows.items()))
 
 

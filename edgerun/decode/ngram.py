@@ -2,8 +2,11 @@
 suffix n-gram. Needs no model, costs microseconds per round, and pays off when the reply repeats
 its input (code edits, quoting) or an earlier turn of the conversation (the prompt holds them all).
 
-A proposal runs as far as the earlier text goes, up to k tokens, and stops after an
-end-of-generation token (nothing after one is ever kept). With it comes the match length: how
+A proposal runs as far as the earlier text goes, up to k tokens, and stops before an
+end-of-generation token: a round whose drafts are all accepted samples one more token anyway,
+and where the text ended that token is the end again, so drafting the end itself only makes the
+batch a row larger (and a reply's first tokens, which often match the end of the user's message,
+would otherwise propose nothing but the end). With it comes the match length: how
 many tokens before the proposal agree with the tokens before now. A long match is a long exact
 copy in progress, whose next tokens are far more likely right than those after a chance 2-gram;
 the governor keeps its acceptance estimate per match length (governor.match_bucket).
@@ -90,17 +93,17 @@ def _before_gap(found: Proposal) -> Proposal:
 
 
 def _cut(found: Proposal, is_stop: Callable[[int], bool] | None) -> Proposal:
-    """The proposal up to and with its first stop token (nothing after one is ever kept)."""
+    """The proposal up to its first stop token (see the module's docstring)."""
     if is_stop is not None:
         stop = next((i for i, t in enumerate(found.tokens) if is_stop(t)), None)
         if stop is not None:
-            return Proposal(found.tokens[: stop + 1], found.match, found.start)
+            return Proposal(found.tokens[:stop], found.match, found.start)
     return found
 
 
 class NgramDrafter:
     """Proposals from the conversation's own tokens, or from `pool` (earlier conversations) where
-    that matches longer. `is_stop`: tokens that end a reply (a proposal stops after one)."""
+    that matches longer. `is_stop`: tokens that end a reply (a proposal stops before one)."""
 
     def __init__(self, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN,
                  is_stop: Callable[[int], bool] | None = None, pool: NgramPool | None = None):
@@ -121,7 +124,7 @@ class NgramDrafter:
         return self.lookup(k).tokens
 
     def lookup(self, k: int) -> Proposal:
-        """The proposal (up to k tokens, cut after a stop token) and its match length: from the
+        """The proposal (up to k tokens, cut before a stop token) and its match length: from the
         conversation, or from the pool where that matches longer."""
         seq = self.tokens
         if k <= 0 or len(seq) < self.n_min + 1:

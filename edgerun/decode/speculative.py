@@ -132,17 +132,19 @@ class Speculator:
         return self.cfg.draft is not None and self.cfg.k is None
 
     def _choose(self, name: str, available: int | None, remaining: int | None = None, lag: int = 0,
-                match: int | None = None) -> Decision:
+                match: int | None = None, ends: bool = False) -> Decision:
         """`lag`: tokens the model draft would prefill before drafting (0 for a short lag, which
-        rides along in the round's batch). k never exceeds what one batch holds, nor the context
-        left: the verify batch writes `last` and k drafts from position n_past on."""
+        rides along in the round's batch); `ends`: nothing follows the proposal to copy. k never
+        exceeds what one batch holds, nor the context left: the verify batch writes `last` and k
+        drafts from position n_past on."""
         room = min(self.k_cap, self.target.n_ctx - len(self.target.held(self.seq)) - 1)
+        ends = ends and available is not None and available <= room  # a batch's or the context's limit is no end
         available = room if available is None else min(available, room)
         if self.cfg.k is not None:
             fit = f" ({room} fit)" if room < self.cfg.k else ""
             return Decision(Kind.FIXED, min(self.cfg.k, available), f"fixed k={self.cfg.k}{fit}")
         return governor.choose(self.memory.get(name), available, lag=lag if lag > FEED_MAX else 0, horizon=remaining,
-                               match=match)
+                               match=match, ends=ends)
 
     def _set_mode(self, decision: Decision) -> None:
         """The governed model draft's mode after a decision. A give-up holds to the reply's end:
@@ -217,7 +219,8 @@ class Speculator:
             if proposal.tokens:
                 # the governor drafts nothing past the reply's token budget (never shown); a fixed k is the user's
                 budget = len(proposal.tokens) if self.cfg.k is not None else min(len(proposal.tokens), max(1, remaining))
-                decision = self._choose("ngram", budget, match=proposal.match)
+                # a proposal shorter than asked for is where the copy (or the reply's budget) ends
+                decision = self._choose("ngram", budget, match=proposal.match, ends=budget < governor.K_MAX_NGRAM)
                 self._planned = _Planned("ngram", decision, match=proposal.match)
                 if decision.k == 0:
                     return self._plain(plan, remaining)
