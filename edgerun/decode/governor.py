@@ -397,9 +397,9 @@ def _best(state: GovernorState, k_cap: int, plain: float, end: int | None = None
     """The k with the highest expected rate, and that rate (0 and plain when no k beats plain).
     `end`: the proposal's length when nothing follows it to copy. Then k drafts short of the
     end leave the rest (end - k - 1 drafts, since the round's own pick takes one) to a round of
-    their own, and k is judged over both rounds: a copy ending 21 tokens on, with 16 costing
-    316 ms, 21 about 450, 4 about 130 and 2 about 130 (1.5B, 2 threads), drafted 15, 3 and 1
-    (three rounds, 620 ms) where 20 at once does it in one."""
+    their own, and k is judged over both rounds: a copy ending 21 tokens on drafted 15, 3 and 1
+    (1.5B, 2 threads: three rounds, 348, 145 and 133 ms measured) where one round of 21 was
+    priced at about 470 ms."""
     best_k, best = 0, plain
     reach = k_cap if end is None else max(k_cap, end)
     costs, gains = curve(state, reach + 1), _gains(state, reach)
