@@ -265,6 +265,7 @@ def test_ngram_scenario_on_the_tiny_model(tiny_model, tmp_path, capsys):
     doc, proc = _scenario_doc(capsys, tmp_path, "ngram", "-m", str(tiny_model), "--temps", "0,0.7", "-n", "12",
                               "--repeat", "2", "--pld", "10,4", "--threads", "1")
     assert doc["settings"]["pld"] == [4, 10] and doc["settings"]["repeat"] == 2
+    assert doc["settings"]["gpu_layers"] == 0  # the CPU unless asked: plain, n-gram and lookup alike
     rows = {(r["case"], r["temperature"]): r for r in doc["rows"]}
     assert set(rows) == {(c, t) for c in ("edit", "chat", "codegen") for t in (0.0, 0.7)}
     assert set(rows["edit", 0.0]["tok_s"]) == {"plain", "ngram", "pld4", "pld10"}
@@ -303,6 +304,12 @@ def test_a_failing_side_is_one_line(tmp_path, capsys):
     proc = run_cli(capsys, "bench", "llama-cpp-python", "-m", str(bad), "--repeat", "1")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("edgerun: error:")
+
+
+def test_ngram_takes_a_layer_count_on_the_gpu(capsys):
+    proc = run_cli(capsys, "bench", "ngram", "--gpu-layers", "all")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("expected a layer count (0 for the CPU, 99 for all), not 'all'")
 
 
 @pytest.mark.slow

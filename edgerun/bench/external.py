@@ -105,13 +105,13 @@ class PromptLookup:
     is passed too: a draft model turns it on, but the score buffer is sized from the argument
     (n_batch rows), and a prompt and reply past 512 tokens would overrun it."""
 
-    def __init__(self, path: Path, *, n_ctx: int, threads: int):
+    def __init__(self, path: Path, *, n_ctx: int, threads: int, gpu_layers: int = 0):
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         self.draft = LlamaPromptLookupDecoding(num_pred_tokens=10)
         self.llm = Llama(str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                         n_gpu_layers=0, draft_model=self.draft, logits_all=True, verbose=False)
+                         n_gpu_layers=gpu_layers, draft_model=self.draft, logits_all=True, verbose=False)
 
     def reply(self, tokens: list[int], *, num_pred: int, temperature: float, seed: int, max_tokens: int) -> dict:
         """One reply with edgerun's default sampler chain: decode tok/s as ReplyStats counts it
