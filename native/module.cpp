@@ -90,8 +90,8 @@ std::string tokens_repr(const std::vector<llama_token>& v) {
 
 RoundResult py_round(const RoundPlan& plan, Rng& rng) {
     if (!plan.target) throw std::invalid_argument("the plan has no target context");
-    if (plan.in_flight && plan.k > 0)
-        throw std::invalid_argument("a round with drafts cannot start from a decode in flight");
+    if (plan.in_flight && plan.k > 0 && plan.draft)
+        throw std::invalid_argument("a model draft's round cannot start from a decode in flight");
     if (plan.draft && plan.k > 0 && plan.draft_feed.empty()) throw std::invalid_argument("draft_feed must end with last");
     RoundPlan in = plan;
     in.plain_steps = std::max(1, plan.plain_steps);

@@ -135,12 +135,20 @@ RoundResult run_round(const RoundPlan& in, Rng& rng) {
     }
     res.draft_s = since(t0);
 
-    // verify: the target decodes `last` and every draft in one batch, logits at each position
+    // verify: the target decodes `last` and every draft in one batch, logits at each position.
+    // With `last` already decoded in flight, its logits row is kept and the batch holds the drafts.
     const auto t1 = Clock::now();
     std::vector<llama_token> tokens{in.last};
     tokens.insert(tokens.end(), res.drafts.begin(), res.drafts.end());
     Batch batch(static_cast<int>(tokens.size()));
-    if (!in.in_flight) {
+    std::vector<float> landed;  // the in-flight decode's row, before the drafts' decode replaces it
+    if (in.in_flight && !res.drafts.empty()) {
+        const float* row = llama_get_logits_ith(in.target, -1);
+        if (!row) { res.error = "target produced no logits"; return res; }
+        landed.assign(row, row + n_vocab_of(in.target));
+        batch.set(res.drafts, in.target_n_past + 1, in.seq, true);
+        if (llama_decode(in.target, batch.b) != 0) { res.error = "target llama_decode failed"; return res; }
+    } else if (!in.in_flight) {
         batch.set(tokens, in.target_n_past, in.seq, true);
         if (llama_decode(in.target, batch.b) != 0) { res.error = "target llama_decode failed"; return res; }
     }
@@ -152,8 +160,10 @@ RoundResult run_round(const RoundPlan& in, Rng& rng) {
     } else {
         const int n_vocab = n_vocab_of(in.target);
         std::vector<const float*> rows(tokens.size());
-        for (size_t i = 0; i < tokens.size(); ++i) {
-            rows[i] = llama_get_logits_ith(in.target, static_cast<int32_t>(i));
+        const int first = landed.empty() ? 0 : 1;  // rows in this call's batch start after `last`'s
+        if (first) rows[0] = landed.data();
+        for (size_t i = first; i < tokens.size(); ++i) {
+            rows[i] = llama_get_logits_ith(in.target, static_cast<int32_t>(i) - first);
             if (!rows[i]) { res.error = "target produced no logits"; return res; }
         }
         const bool point_mass = !in.draft;  // n-gram proposals: q(x) = 1
@@ -168,7 +178,7 @@ RoundResult run_round(const RoundPlan& in, Rng& rng) {
     res.target.kept.push_back(in.last);
     res.target.kept.insert(res.target.kept.end(), res.drafts.begin(), res.drafts.begin() + res.accepted);
     res.target.dropped = static_cast<int>(res.drafts.size()) - res.accepted;
-    if (res.drafts.empty() && in.plain_steps > 1) plain_run(in, rng, batch, res, t1);
+    if (res.drafts.empty() && (in.plain_steps > 1 || in.overlap)) plain_run(in, rng, batch, res, t1);
     res.verify_s = since(t1);
     return res;
 }

@@ -34,8 +34,9 @@ struct RoundPlan {
     // runs uncaptured and is captured again on the second same-shape call, which a round of a
     // 2-token feed then single steps pays every time.
     bool stable_shapes = false;
-    // `last` is already decoded at target_n_past (a previous call left it in flight): the round
-    // only reads that decode's pick. Plain steps only (k = 0).
+    // `last` is already decoded at target_n_past (a previous call left it in flight): a plain
+    // step only reads that decode's pick; a round of n-gram proposals keeps its logits row and
+    // decodes the proposals after it (a model draft's round lands it first: Context.land).
     bool in_flight = false;
     // A plain run that stops at its step cap or time budget decodes its newest token before
     // returning, without waiting for it: on a GPU that step runs while Python handles the

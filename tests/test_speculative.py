@@ -171,6 +171,42 @@ def test_ngram_drafter_on_a_copy_task_accepts_and_stays_exact(small):
     assert accepted >= 40 and accepted / drafted > 0.7  # the reply repeats the prompt
 
 
+def test_ngram_rounds_verify_after_a_decode_left_in_flight(small, monkeypatch):
+    """On a GPU each plain step of an n-gram reply ends by launching its token's decode (forced
+    here on the CPU), and a round of proposals verifies after it: that decode's logits row checks
+    the first proposal, the batch holds only the proposals. The same tokens as without the
+    overlap, at T=0 (= plain) and at T=0.7 with one seed, and the KV holds exactly the reply."""
+    import llama_cpp
+
+    from edgerun.decode import generate as generate_module
+
+    model, ctx, _ = small
+    seen = []  # (k, started in flight, left in flight) of each native round: the real call, watched
+    real_round = generate_module._native.round
+
+    def watched(plan, rng):
+        result = real_round(plan, rng)
+        seen.append((plan.k, plan.in_flight, result.target.in_flight))
+        return result
+
+    monkeypatch.setattr(generate_module._native, "round", watched)
+    tokens = chat_tokens(model, _user((Path(__file__).parent / "data" / "code_edit.txt").read_text()))
+    ctx.trim(0)
+    plain, _, _ = _run(ctx, tokens, GREEDY, 96)
+    for sampling in (GREEDY, SamplerSettings(temperature=0.7, seed=5)):
+        replies = {}
+        for overlap in (False, True):
+            ctx.trim(0)
+            seen.clear()
+            replies[overlap], _, _ = _run(ctx, tokens, sampling, 96, SpecConfig(ngram=True, k=4, overlap=overlap))
+            assert llama_cpp.llama_memory_seq_pos_max(ctx.mem, 0) == ctx.n_past - 1
+            assert any(k > 0 and started for k, started, _ in seen) == overlap, seen
+            assert any(left for _, _, left in seen) == overlap
+        assert replies[True] == replies[False]
+        if sampling is GREEDY:
+            assert replies[True] == plain
+
+
 def test_rejection_rule_accepts_more_than_sample_and_compare(target_model, small_model):
     """Same prompts, seeds and sampler at T=0.7 with the real pair: the rejection rule keeps a
     draft token with probability min(1, p/q); sample-and-compare (llama.cpp's server) only when

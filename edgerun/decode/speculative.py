@@ -47,9 +47,10 @@ class SpecConfig:
     # and copies back the id, not n_vocab logits (None: when the output layer is on a GPU, where
     # that saves the copy and the host's read of them: about 1% of a 0.5B step on an H200)
     device_greedy: bool | None = None
-    # once no drafter will want the target's logits, a plain stretch ends by launching its newest
-    # token's decode, which runs while Python hands out the stretch's tokens (None: when the
-    # output layer is on a GPU; on a CPU a decode does not return before it is done)
+    # once no drafter will want the target's logits (or the n-gram lookup is the only drafter), a
+    # plain stretch ends by launching its newest token's decode, which runs while Python hands out
+    # the stretch's tokens (None: when the output layer is on a GPU; on a CPU a decode does not
+    # return before it is done)
     overlap: bool | None = None
 
     def __post_init__(self):
@@ -225,6 +226,8 @@ class Speculator:
                 if decision.k == 0:
                     return self._plain(plan, remaining)
                 plan.k, plan.proposals = decision.k, proposal.tokens[: decision.k]
+                # drafts verify after a decode of `last` left in flight, if any: its row checks the first
+                plan.in_flight = self.target.in_flight(self.seq)
                 return plan
         if self.cfg.draft is None or self.mode is Mode.PLAIN:
             self._planned = _Planned("model", self.off_why) if self.off_why else _Planned("none", NO_DRAFTER)
@@ -246,7 +249,11 @@ class Speculator:
     def _plain(self, plan: _native.RoundPlan, remaining: int) -> _native.RoundPlan:
         steps = self._plain_steps(remaining)
         plan.plain_steps, plan.in_flight = steps, self.target.in_flight(self.seq)
-        plan.overlap, plan.cap_ends_reply = self.overlap and steps > 1 and self._settled(), steps >= remaining
+        # an n-gram lookup needs no logits of earlier steps, and a round of its proposals verifies
+        # after a decode left in flight: each single step's decode runs while Python looks up the
+        # next proposal (a model draft's round would drop that decode and make it again)
+        ahead = self._settled() or (self.ngram is not None and self.cfg.draft is None)
+        plan.overlap, plan.cap_ends_reply = self.overlap and ahead, steps >= remaining
         return plan
 
     def after(self, result: _native.RoundResult) -> Round:
