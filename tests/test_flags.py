@@ -136,6 +136,12 @@ def test_what_the_native_extension_raises_is_an_engine_error(ctx):
     with pytest.raises(EngineError, match="decoding a round") as failed:
         native_round(plan, rng)
     assert "target llama_decode failed" in str(failed.value)
+    # n-gram proposals may verify after a decode left in flight; a model draft must see `last` itself
+    plan = _native.RoundPlan()
+    plan.target, plan.draft, plan.last, plan.params = ctx.address, ctx.address, 1, params
+    plan.k, plan.in_flight, plan.draft_feed = 2, True, [1]
+    with pytest.raises(EngineError, match="a model draft's round cannot start from a decode in flight"):
+        native_round(plan, rng)
     with pytest.raises(ConfigError, match="rule must be"):
         SpecConfig(rule="coin-flip")
     with pytest.raises(EngineError, match="seed from 0"):
