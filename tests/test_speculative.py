@@ -3,6 +3,7 @@ distribution at temperature > 0, KV bookkeeping, and vocabulary checks."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -205,6 +206,16 @@ def test_ngram_rounds_verify_after_a_decode_left_in_flight(small, monkeypatch):
         assert replies[True] == replies[False]
         if sampling is GREEDY:
             assert replies[True] == plain
+    # stopped part-way, the reply leaves a usable context: the KV holds what was recorded
+    cancel = threading.Event()
+    ctx.trim(0)
+    ahead = SpecConfig(ngram=True, k=4, overlap=True)
+    for r in generate(ctx, tokens, GREEDY, max_tokens=96, cancel=cancel, spec_config=ahead):
+        if isinstance(r, Step) and len(ctx.held(0)) > len(tokens) + 20:
+            cancel.set()
+    assert llama_cpp.llama_memory_seq_pos_max(ctx.mem, 0) == ctx.n_past - 1
+    ctx.trim(0)
+    assert _run(ctx, tokens, GREEDY, 96, ahead)[0] == plain
 
 
 def test_rejection_rule_accepts_more_than_sample_and_compare(target_model, small_model):

@@ -225,7 +225,8 @@ def ngram_measure(args: argparse.Namespace, say) -> dict:
                 lookup.close()
     settings = {"model": args.model, "temps": args.temps, "pld": pld, "cases": cases, "max_tokens": args.max_tokens,
                 "repeat": args.repeat, "seed": args.seed, "ctx": args.ctx, "threads": threads,
-                "gpu_layers": args.gpu_layers, "chat": [CHAT_TURN_1, CHAT_TURN_2], "recall": RECALL, "pool_tokens": len(pool) if pool else 0}
+                "gpu_layers": args.gpu_layers, "chat": [CHAT_TURN_1, CHAT_TURN_2], "recall": RECALL,
+                "pool_tokens": len(pool) if pool else 0}
     rows = _ngram_rows(runs, pld)
     return {"settings": settings, "runs": runs, "rows": rows, "claims": _ngram_claims(rows)}
 
