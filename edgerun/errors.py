@@ -38,6 +38,10 @@ class ConfigError(EdgerunError):
     exit_code = 2
 
 
+class DoesNotFit(ConfigError):
+    """A placement that needs more memory than is free (a smaller context may fit)."""
+
+
 class EngineError(EdgerunError):
     """llama.cpp refused to load or run something."""
 

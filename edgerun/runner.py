@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from edgerun.errors import ConfigError, EngineError
+from edgerun.errors import ConfigError, DoesNotFit, EngineError
 from edgerun.decode.constrain import Constraint
 from edgerun.decode.generate import Prefill, Step, generate
 from edgerun.decode import governor
@@ -84,16 +84,16 @@ def placement_for(info: GGUFInfo, settings: EngineSettings, draft: GGUFInfo | No
 
     try:
         return attempt(settings)
-    except ConfigError as exc:
+    except DoesNotFit as exc:  # a smaller context may fit (other refusals are not about memory)
         n_ctx = settings.n_ctx // 2
         while n_ctx >= 256:
             try:
                 attempt(settings.replace(n_ctx=n_ctx))
-            except ConfigError:
+            except DoesNotFit:
                 n_ctx //= 2
                 continue
-            raise ConfigError(f"{exc}; --ctx {n_ctx} would fit") from None
-        raise ConfigError(f"{exc}; no context fits: pick a smaller model or close other programs") from None
+            raise DoesNotFit(f"{exc}; --ctx {n_ctx} would fit") from None
+        raise DoesNotFit(f"{exc}; no context fits: pick a smaller model or close other programs") from None
 
 
 def draft_for(model_spec: str, draft: str | None) -> str | None:

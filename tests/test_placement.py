@@ -34,6 +34,9 @@ def test_no_gpu_keeps_everything_on_cpu():
     assert p.target.gpu_layers == 0 and p.gpu_bytes == 0
     assert p.cpu_bytes == t.total + t.compute_bytes
     assert "no GPU backend" in p.reason
+    for bad in ("all", "-1"):  # a bad request is refused without a GPU too, not quietly run on the CPU
+        with pytest.raises(ConfigError, match="not a number"):
+            placement.plan(t, None, free_vram=0, free_ram=PLENTY, gpu_available=False, requested=bad)
 
 
 def test_everything_fits_offloads_the_head_too():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgerun.errors import ConfigError
+from edgerun.errors import ConfigError, DoesNotFit
 
 GiB = 2**30
 VRAM_MARGIN = 512 << 20  # CUDA context, cuBLAS workspace, fragmentation
@@ -137,16 +137,16 @@ def plan(
     auto: the draft goes entirely on the GPU first when it fits (its steps are the latency-critical
     part of a speculative round), then as many target blocks as fit in what is left, last blocks
     first (llama.cpp's order), the output head with the last one. A number is taken as asked.
-    Refuses, before anything loads, a plan whose host share does not fit in free RAM."""
+    Refuses, before anything loads, a plan whose host share does not fit in free RAM, and a
+    request that is neither auto nor a count (on a machine without a GPU too)."""
+    if requested != "auto" and not requested.isdigit():
+        raise ConfigError(f"--gpu-layers {requested!r} is not a number; use auto, 0 or a layer count")
     if not gpu_available:
         result = Plan(split(target, 0), split(draft, 0) if draft else None, "no GPU backend: all on CPU")
     elif requested == "auto":
         result = _auto(target, draft, free_vram - VRAM_MARGIN)
     else:
-        try:
-            n = max(0, min(int(requested), target.n_layers + 1))
-        except ValueError:
-            raise ConfigError(f"--gpu-layers {requested!r} is not a number; use auto, 0 or a layer count") from None
+        n = min(int(requested), target.n_layers + 1)
         tsplit = split(target, n)
         dsplit, note = _draft_first(draft, free_vram - VRAM_MARGIN - tsplit.gpu_bytes)
         result = Plan(tsplit, dsplit, "; ".join(x for x in (f"{min(n, target.n_layers)} target layers on GPU as asked", note) if x))
@@ -188,7 +188,7 @@ def _check_ram(p: Plan, free_ram: int) -> None:
     usable = free_ram - RAM_MARGIN
     if p.cpu_bytes <= usable:
         return
-    raise ConfigError(
+    raise DoesNotFit(
         f"the plan needs {p.cpu_bytes / GiB:.1f} GiB of RAM and {p.gpu_bytes / GiB:.1f} GiB of VRAM,"
         f" but only {max(usable, 0) / GiB:.1f} GiB of RAM is free (after a {RAM_MARGIN / GiB:.0f} GiB margin)"
     )
@@ -306,7 +306,7 @@ def _shares(fp: Footprint, places: list[Place], blocks: list[int], left: int, fr
     result = DeviceSplit(tuple(shares), left, cpu, fp.n_layers)
     usable = free_ram - RAM_MARGIN
     if cpu > usable:
-        raise ConfigError(
+        raise DoesNotFit(
             f"{left} of {fp.n_layers} layers fit on no device and need {cpu / GiB:.1f} GiB of RAM here, but only"
             f" {max(usable, 0) / GiB:.1f} GiB is free: add an rpc server, give the servers more --mem, or use a smaller --ctx")
     return result
