@@ -306,10 +306,11 @@ def test_a_failing_side_is_one_line(tmp_path, capsys):
     assert proc.stderr.strip().splitlines()[-1].startswith("edgerun: error:")
 
 
-def test_ngram_takes_a_layer_count_on_the_gpu(capsys):
-    proc = run_cli(capsys, "bench", "ngram", "--gpu-layers", "all")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].endswith("expected a layer count (0 for the CPU, 99 for all), not 'all'")
+def test_ngram_refuses_a_gpu_layer_request_that_is_not_a_count(tiny_model, capsys):
+    proc = run_cli(capsys, "bench", "ngram", "-m", str(tiny_model), "--gpu-layers", "all", "--repeat", "1")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("edgerun: error: --gpu-layers 'all' is not a number;"
+                                                    " use auto, 0 or a layer count")
 
 
 @pytest.mark.slow

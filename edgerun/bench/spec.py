@@ -168,15 +168,8 @@ def ngram_args(p: argparse.ArgumentParser) -> None:
                    " (default edit,chat,codegen; recall: a fresh conversation asking what an earlier one got)")
     p.add_argument("--pool", action="store_true", help="also run n-gram with a pool of an earlier conversation"
                    " (CHAT_TURN_1 answered at T=0) on the codegen and recall cases")
-    p.add_argument("--gpu-layers", type=_layers, default=0, metavar="N",
-                   help="the model's layers on the GPU, edgerun's sides and prompt lookup's alike (default 0:"
-                        " the CPU; 99: all)")
-
-
-def _layers(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected a layer count (0 for the CPU, 99 for all), not '{text}'")
-    return int(text)
+    p.add_argument("--gpu-layers", default="0", help="the model's layers on the GPU: auto, 0 (default: the CPU) or"
+                   " a count; prompt lookup gets the count edgerun's placement gave")
 
 
 def ngram_measure(args: argparse.Namespace, say) -> dict:
@@ -189,12 +182,13 @@ def ngram_measure(args: argparse.Namespace, say) -> dict:
     if not pld or not set(cases) <= set(CASES):
         raise argparse.ArgumentTypeError(f"--pld takes counts (10,16) and --cases {', '.join(CASES)}")
     threads = args.threads or default_threads()
-    engine = EngineSettings().replace(n_ctx=args.ctx, n_threads=threads, gpu_layers=str(args.gpu_layers))
+    engine = EngineSettings().replace(n_ctx=args.ctx, n_threads=threads, gpu_layers=args.gpu_layers)
     prompts = {p.name: p.text for p in load_prompts("spec")}
     runs: list[dict] = []
     with Runner(args.model, engine) as plain, Runner(args.model, engine, ngram=True) as ngram:
         loaded = {name: ngram.governors.get(name) for name in ("ngram",)}  # what `edgerun run` starts from
-        lookup = (PromptLookup(plain.path, n_ctx=args.ctx, threads=threads, gpu_layers=args.gpu_layers)
+        on_gpu = plain.model.n_gpu_layers  # what the placement made of --gpu-layers
+        lookup = (PromptLookup(plain.path, n_ctx=args.ctx, threads=threads, gpu_layers=on_gpu)
                   if "edit" in cases else None)
         pool = _earlier_conversation(plain, args.max_tokens) if args.pool else None
         try:
@@ -225,7 +219,7 @@ def ngram_measure(args: argparse.Namespace, say) -> dict:
                 lookup.close()
     settings = {"model": args.model, "temps": args.temps, "pld": pld, "cases": cases, "max_tokens": args.max_tokens,
                 "repeat": args.repeat, "seed": args.seed, "ctx": args.ctx, "threads": threads,
-                "gpu_layers": args.gpu_layers, "chat": [CHAT_TURN_1, CHAT_TURN_2], "recall": RECALL,
+                "gpu_layers": on_gpu, "chat": [CHAT_TURN_1, CHAT_TURN_2], "recall": RECALL,
                 "pool_tokens": len(pool) if pool else 0}
     rows = _ngram_rows(runs, pld)
     return {"settings": settings, "runs": runs, "rows": rows, "claims": _ngram_claims(rows)}
