@@ -142,14 +142,14 @@ RoundResult run_round(const RoundPlan& in, Rng& rng) {
     tokens.insert(tokens.end(), res.drafts.begin(), res.drafts.end());
     Batch batch(static_cast<int>(tokens.size()));
     std::vector<float> landed;  // the in-flight decode's row, before the drafts' decode replaces it
-    if (in.in_flight && !res.drafts.empty()) {
+    const int first = in.in_flight ? 1 : 0;  // tokens already decoded: `last`, in flight
+    if (first && !res.drafts.empty()) {
         const float* row = llama_get_logits_ith(in.target, -1);
         if (!row) { res.error = "target produced no logits"; return res; }
         landed.assign(row, row + n_vocab_of(in.target));
-        batch.set(res.drafts, in.target_n_past + 1, in.seq, true);
-        if (llama_decode(in.target, batch.b) != 0) { res.error = "target llama_decode failed"; return res; }
-    } else if (!in.in_flight) {
-        batch.set(tokens, in.target_n_past, in.seq, true);
+    }
+    if (tokens.size() > static_cast<size_t>(first)) {
+        batch.set({tokens.begin() + first, tokens.end()}, in.target_n_past + first, in.seq, true);
         if (llama_decode(in.target, batch.b) != 0) { res.error = "target llama_decode failed"; return res; }
     }
     if (res.drafts.empty()) {
@@ -160,8 +160,7 @@ RoundResult run_round(const RoundPlan& in, Rng& rng) {
     } else {
         const int n_vocab = n_vocab_of(in.target);
         std::vector<const float*> rows(tokens.size());
-        const int first = landed.empty() ? 0 : 1;  // rows in this call's batch start after `last`'s
-        if (first) rows[0] = landed.data();
+        if (first) rows[0] = landed.data();  // this call's batch rows start after `last`'s
         for (size_t i = first; i < tokens.size(); ++i) {
             rows[i] = llama_get_logits_ith(in.target, static_cast<int32_t>(i) - first);
             if (!rows[i]) { res.error = "target produced no logits"; return res; }
