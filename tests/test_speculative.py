@@ -206,13 +206,19 @@ def test_ngram_rounds_verify_after_a_decode_left_in_flight(small, monkeypatch):
         assert replies[True] == replies[False]
         if sampling is GREEDY:
             assert replies[True] == plain
-    # stopped part-way, the reply leaves a usable context: the KV holds what was recorded
+    # asked to stop while a decode is in flight (the next round may start from it), the reply
+    # leaves a usable context: the KV holds what was recorded
     cancel = threading.Event()
     ctx.trim(0)
+    seen.clear()
     ahead = SpecConfig(ngram=True, k=4, overlap=True)
+    steps = []
     for r in generate(ctx, tokens, GREEDY, max_tokens=96, cancel=cancel, spec_config=ahead):
-        if isinstance(r, Step) and len(ctx.held(0)) > len(tokens) + 20:
+        if isinstance(r, Step):
+            steps.append(r)
+        if seen and seen[-1][2]:  # the round behind this token left a decode in flight
             cancel.set()
+    assert steps[-1].finish == "cancelled" and len(steps) < 96
     assert llama_cpp.llama_memory_seq_pos_max(ctx.mem, 0) == ctx.n_past - 1
     ctx.trim(0)
     assert _run(ctx, tokens, GREEDY, 96, ahead)[0] == plain
