@@ -5,6 +5,7 @@ through the public Runner API."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import llama_cpp
 import numpy as np
@@ -149,6 +150,31 @@ def test_sampled_long_ngram_drafts_leave_the_cache_as_recorded(long_ngram, tiny_
     assert max(r.drafted for r in rounds) == LONG and sum(r.accepted for r in rounds) > 0
     assert 0 <= sum(r.accepted for r in rounds) - sum(s.from_draft for s in steps) <= rounds[-1].accepted
     assert_cache_is_what_context_says(long_ngram.ctx, tiny_model)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_long_ngram_drafts_verify_by_the_graphs_pick(plain, long_ngram, tiny_model, overlap):
+    """A greedy n-gram reply may let llama.cpp's graph pick (what a GPU holding the output layer
+    does; forced here): then no logits come back at all, and rounds of up to 64 proposals verify
+    by each row's pick, after a decode left in flight or not. The same tokens as plain decoding."""
+    _, want = _reply(plain, max_tokens=300)
+    base = long_ngram.spec_config
+    long_ngram.spec_config = replace(base, device_greedy=True, overlap=overlap)
+    try:
+        records, got = _reply(long_ngram, max_tokens=300)
+        assert long_ngram.ctx.picks_on_device  # no row of logits existed in this reply
+        assert _tokens(got) == _tokens(want)
+        rounds = [r for r in records if isinstance(r, Round) and r.drafted]
+        assert max(r.drafted for r in rounds) == LONG and max(r.accepted for r in rounds) > governor.K_MAX
+        assert any(r.accepted < r.drafted for r in rounds)  # a rejection picks the row's token
+        long_ngram.ctx.greedy_on_device(False)  # the check below reads logits
+        assert_cache_is_what_context_says(long_ngram.ctx, tiny_model)
+        _reply(long_ngram, max_tokens=8)
+        assert long_ngram.ctx.picks_on_device
+        _reply(long_ngram, sampling=HOT, max_tokens=8)  # sampling needs the logits: the pick leaves the graph
+        assert not long_ngram.ctx.picks_on_device
+    finally:
+        long_ngram.spec_config = base
 
 
 def test_governed_ngram_drafts_equal_plain_decoding(plain, tiny_model):

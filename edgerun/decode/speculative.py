@@ -106,7 +106,7 @@ class Speculator:
         # a pick in llama.cpp's graph would not see the grammar
         greedy = sampling.greedy and not sampling.penalized and grammar is None
         wanted = target.output_on_gpu if cfg.device_greedy is None else cfg.device_greedy
-        self.device_greedy = greedy and wanted  # plain steps may pick in llama.cpp's graph
+        self.device_greedy = greedy and wanted  # the target may pick in llama.cpp's graph
         self.overlap = target.output_on_gpu if cfg.overlap is None else cfg.overlap
         self.ngram = NgramDrafter(is_stop=target.model.is_eog, pool=pool) if cfg.ngram else None
         if self.ngram:
@@ -192,8 +192,8 @@ class Speculator:
         return self.ngram is None and self.mode is Mode.PLAIN
 
     def settle_sampler(self) -> None:
-        """Before the prompt: let plain steps pick in llama.cpp's graph when this reply will never
-        need the target's logits. Only here: a switch makes llama.cpp build its scheduler anew,
+        """Before the prompt: let the target pick in llama.cpp's graph when this reply will never
+        need its logits. Only here: a switch makes llama.cpp build its scheduler anew,
         with new compute buffers, so on a GPU every batch shape runs uncaptured and is captured
         again. On an H200 with the 1.5B + 0.5B pair, a reply that switched mid-reply (once the
         governor gave up on the draft) ran at 0.935 of plain; settling before the prompt gave
@@ -202,7 +202,14 @@ class Speculator:
             off = governor.given_up(self.memory.get("model"), self.k_cap)
             if off is not None:
                 self._set_mode(off)
-        self.target.greedy_on_device(self.device_greedy and self._settled())
+        self.target.greedy_on_device(self.device_greedy and (self._settled() or self._picks_suffice()))
+
+    def _picks_suffice(self) -> bool:
+        """Every round of this reply can verify by the pick alone: n-gram proposals only (point
+        masses: a draft is accepted while it is the target's greedy pick), so the pick may run in
+        llama.cpp's graph for drafted rounds too: no row of logits (600 KB for Qwen's vocabulary)
+        is copied back and read by the host at each token."""
+        return self.ngram is not None and self.cfg.draft is None
 
     def plan(self, last: int, remaining: int = 1) -> _native.RoundPlan:
         """The next round's plan: the one place a RoundPlan is built. `remaining`: tokens the reply

@@ -195,6 +195,9 @@ class Context:
         params.n_threads = settings.n_threads
         params.n_threads_batch = settings.n_threads
         params.no_perf = True
+        # a greedy pick in the graph (greedy_on_device) may pick every output of a batch: a round
+        # of n-gram proposals verifies by the pick of each row (llama.cpp's default is one a sequence)
+        params.n_outputs_max_per_seq = 0
         self.ptr = llama_cpp.llama_init_from_model(model.ptr, params)
         if not self.ptr:
             raise EngineError(f"llama.cpp could not create a context of {settings.n_ctx} tokens (out of memory?)")
