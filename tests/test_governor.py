@@ -674,3 +674,44 @@ def test_a_copy_s_last_tokens_go_in_one_round():
     s = replace(runner_state(), by_match=((gov.match_bucket(64), 200.0, 0.5, 4),))
     assert choose(s, 21, match=64, ends=True).k == 21
     assert choose(s, 21, match=64).k == 15
+
+
+# ---------------------------------------------------------------- rounds dearer than the table said
+
+def gpu_flat(n: int) -> float:
+    """A GPU's verify as load-time timing sees it: 2 ms, and little more for a larger batch."""
+    return 0.002 + 0.00002 * n
+
+
+def fed(factors, sizes=(7, 10, 12, 5, 9)) -> GovernorState:
+    """The runner's n-gram state after drafted rounds of k = sizes, each costing `factor` times
+    what the load-time table said, one draft accepted in each."""
+    s = runner_state(gpu_flat)
+    for f, k in zip(factors, sizes):
+        s = gov.update(s, k=k, drafted=k, accepted=1, draft_s=0.0, verify_s=f * gpu_flat(k + 1))
+    return s
+
+
+def test_rounds_dearer_than_the_table_raise_every_price_and_one_stall_does_not():
+    """Rounds that keep costing three times what the table priced them at (a GPU's round waits
+    for a decode in flight, runs a new batch shape uncaptured and copies a row of logits a
+    token, where load-time timing ran a captured shape alone) raise the price of every batch
+    size, those never run too, and drafting at this acceptance stops; the same rounds at the
+    table's price keep it on. One slow round among them moves nothing (a median of the last
+    five), two do not decide yet, and the next reply starts from what was learned."""
+    slow, same, stall = fed([3, 3, 3]), fed([1, 1, 1]), fed([3, 1, 1])
+    # (under 3: each round also moves its own size's timing, and the next is priced from it)
+    assert 2.5 < gov.verify_bias(slow) <= 3.05 and gov.verify_bias(same) == pytest.approx(1.0, rel=0.05)
+    assert gov.verify_bias(fed([3, 3])) == 1.0
+    unbiased = replace(slow, verify_ratios=())
+    assert gov.verify_time(slow, 40) == pytest.approx(gov.verify_bias(slow) * gov.verify_time(unbiased, 40))
+    assert gov.verify_time(slow, 1) == gov.verify_time(unbiased, 1)  # a plain step is timed as it runs
+    assert gov.choose(same, 10).k > 0
+    assert gov.choose(slow, 10).k == 0
+    assert gov.choose(stall, 10).k == gov.choose(same, 10).k
+    assert gov.verify_bias(gov.new_reply(slow)) == gov.verify_bias(slow)
+    # once the table itself has caught up with the rounds, they cost what it says: the bias goes back to 1
+    caught = slow
+    for _ in range(40):
+        caught = gov.update(caught, k=10, drafted=10, accepted=1, draft_s=0.0, verify_s=3 * gpu_flat(11))
+    assert gov.verify_bias(caught) == pytest.approx(1.0, rel=0.05)

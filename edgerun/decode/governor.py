@@ -24,6 +24,7 @@ PROBE_COST_MAX = 0.02  # a re-check may cost at most this share of plain decodin
 BLOCK = 4            # llama.cpp's CPU matmul takes a batch's rows this many at a time (see lone_row)
 TILE = 16            # ... and, for weights it does not repack, this many rows per chunk (see curve)
 WARM_ROUNDS = 3      # drafted rounds measured before costs may rule a GPU draft out (first shapes run cold)
+BIAS_ROUNDS = 5      # drafted rounds whose cost against the table's price makes the verify bias (see verify_bias)
 
 
 class Kind(enum.Enum):
@@ -85,6 +86,8 @@ class GovernorState:
     # (accepted, rejected): the counts of the class the next proposal is in (for_match sets them);
     # a round's expected tokens then follow what they predict, not the point estimate alpha
     counts: tuple[float, float] | None = None
+    # the latest drafted rounds' verify time over what the table priced them at (see verify_bias)
+    verify_ratios: tuple[float, ...] = ()
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -120,6 +123,19 @@ def _gains(state: GovernorState, k_max: int) -> list[float]:
     return [expected_tokens(state.alpha, k) for k in range(k_max + 1)]
 
 
+def verify_bias(state: GovernorState) -> float:
+    """How far the reply's drafted rounds cost from what the table priced them at: the median of
+    the latest BIAS_ROUNDS ratios (1 until three are known), which multiplies the price of every
+    batch of two or more. A table timed at load can be far from what a round costs in a reply:
+    on a GPU a round waits for the decode left in flight, runs a batch shape that is not captured
+    yet, copies a row of logits for every token and samples them, where the load-time timing ran
+    a captured shape alone. Sizes are many and each runs rarely, so their own timings would learn
+    this one round at a time; the ratio learns it for all of them at once. A median moves for
+    no single stall, and a table that catches up brings the ratios back to 1."""
+    ratios = state.verify_ratios
+    return statistics.median(ratios) if len(ratios) >= 3 else 1.0
+
+
 def verify_time(state: GovernorState, n: int) -> float | None:
     """Seconds for the target to decode n tokens in one batch: measured, else a line between the
     nearest measurements around n (beyond the largest, the last segment of their lower convex
@@ -141,12 +157,16 @@ def curve(state: GovernorState, n_max: int) -> list[float | None]:
     to 65 batch sizes every round."""
     # the sizes seen in a reply count only for a hopeful drafter; leaving them out of the key
     # lets choose() and given_up() share one computation (a round asks for the same curve up to three times)
-    return list(_curve(state.verify_s, state.verify_seen if state.hopeful else (), state.hopeful, n_max))
+    return list(_curve(state.verify_s, state.verify_seen if state.hopeful else (), state.hopeful, n_max,
+                       verify_bias(state)))
 
 
 @functools.lru_cache(maxsize=256)
 def _curve(verify_s: tuple[tuple[int, float], ...], verify_seen: tuple[int, ...], hopeful: bool,
-           n_max: int) -> tuple[float | None, ...]:
+           n_max: int, bias: float = 1.0) -> tuple[float | None, ...]:
+    if bias != 1.0:
+        unbiased = _curve(verify_s, verify_seen, hopeful, n_max)
+        return tuple(t if t is None or n == 1 else t * bias for n, t in enumerate(unbiased, 1))
     table = dict(verify_s)
     if not table:
         return (None,) * n_max
@@ -425,7 +445,7 @@ def new_reply(state: GovernorState) -> GovernorState:
     return replace(fresh, draft_step_s=state.draft_step_s, verify_s=state.verify_s,
                    drafted_rounds=state.drafted_rounds, catch_up_s=state.catch_up_s,
                    plain_from_load=state.plain_from_load, verify_seen=state.verify_seen,
-                   by_match=state.by_match)
+                   by_match=state.by_match, verify_ratios=state.verify_ratios)
 
 
 def catch_up_share(state: GovernorState, plain: float) -> float:
@@ -470,6 +490,11 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
     (verify_s is then the time of one of them); `match`: the n-gram proposal's match length."""
     table = dict(state.verify_s)
     n = drafted + 1
+    ratios = state.verify_ratios
+    if drafted > 0:
+        priced = _curve(state.verify_s, state.verify_seen if state.hopeful else (), state.hopeful, n)[n - 1]
+        if priced:
+            ratios = (*ratios, verify_s / priced)[-BIAS_ROUNDS:]
     table[n] = _cost_ema(table.get(n), verify_s)
     seen = state.verify_seen if n in state.verify_seen else tuple(sorted((*state.verify_seen, n)))
     by_match = state.by_match
@@ -497,7 +522,7 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
         probe_every = min(PROBE_MAX, state.probe_every * 2) if losing else state.probe_every
     return replace(state, alpha=alpha, accepted_ema=accepted_ema, trials_ema=trials_ema, draft_step_s=draft_step,
                    drafted_rounds=drafted_rounds, plain_from_load=state.plain_from_load and drafted > 0,
-                   verify_s=tuple(sorted(table.items())), verify_seen=seen, by_match=by_match,
+                   verify_s=tuple(sorted(table.items())), verify_seen=seen, by_match=by_match, verify_ratios=ratios,
                    plain_rounds=plain_rounds, probe_every=probe_every)
 
 
