@@ -92,6 +92,8 @@ RoundResult py_round(const RoundPlan& plan, Rng& rng) {
     if (!plan.target) throw std::invalid_argument("the plan has no target context");
     if (plan.in_flight && plan.k > 0 && plan.draft)
         throw std::invalid_argument("a model draft's round cannot start from a decode in flight");
+    if (plan.picked && (plan.draft || plan.grammar || !plan.params.greedy()))
+        throw std::invalid_argument("only a greedy n-gram round without a grammar verifies by the graph's pick");
     if (plan.draft && plan.k > 0 && plan.draft_feed.empty()) throw std::invalid_argument("draft_feed must end with last");
     RoundPlan in = plan;
     in.plain_steps = std::max(1, plan.plain_steps);
@@ -134,6 +136,7 @@ void bind_round(py::module_& m) {
         .def_readwrite("in_flight", &RoundPlan::in_flight)
         .def_readwrite("overlap", &RoundPlan::overlap)
         .def_readwrite("cap_ends_reply", &RoundPlan::cap_ends_reply)
+        .def_readwrite("picked", &RoundPlan::picked)
         // the plan keeps its grammar object alive: the round runs on the raw pointer
         .def_property("grammar", py::cpp_function([](const RoundPlan& p) { return p.grammar; },
                                                   py::return_value_policy::reference),
@@ -144,7 +147,8 @@ void bind_round(py::module_& m) {
                    (p.draft ? ", draft_feed=" + tokens_repr(p.draft_feed) : "") +
                    (p.proposals.empty() ? "" : ", proposals=" + tokens_repr(p.proposals)) +
                    ", plain_steps=" + std::to_string(p.plain_steps) + ", rule='" + rule_name(p.rule) + "'" +
-                   (p.in_flight ? ", in_flight" : "") + (p.overlap ? ", overlap" : "") + ")";
+                   (p.in_flight ? ", in_flight" : "") + (p.overlap ? ", overlap" : "") +
+                   (p.picked ? ", picked" : "") + ")";
         });
 
     py::class_<KvWrite>(m, "KvWrite", "What a round left in one context's KV (native/round.hpp).")

@@ -95,14 +95,6 @@ bool draft_tokens(const RoundPlan& in, Rng& rng, RoundResult& res, std::vector<s
     return true;
 }
 
-// The token a greedy sampler attached to the target (Context.greedy_on_device) picked for output
-// idx of the last decode, or LLAMA_TOKEN_NULL where none is attached. Only a greedy reply without
-// a grammar attaches one, and only n-gram proposals (point masses) are verified by it.
-llama_token graph_pick(const RoundPlan& in, int idx) {
-    if (in.grammar || in.draft || !in.params.greedy()) return LLAMA_TOKEN_NULL;
-    return llama_get_sampled_token_ith(in.target, idx);
-}
-
 // Plain decoding without returning to Python: after `next`, keep decoding one token at a time
 // until plain_steps tokens, an end-of-generation token, or the time budget. Python's per-token
 // work (records, stats) is then paid once per call, which matters when a GPU step takes ~1 ms.
@@ -150,13 +142,16 @@ RoundResult run_round(const RoundPlan& in, Rng& rng) {
     tokens.insert(tokens.end(), res.drafts.begin(), res.drafts.end());
     Batch batch(static_cast<int>(tokens.size()));
     std::vector<float> landed;  // the in-flight decode's row, before the drafts' decode replaces it
-    llama_token landed_pick = LLAMA_TOKEN_NULL;  // ... or its pick, where the graph picks
+    std::vector<llama_token> picks;  // with the pick in the graph: each row's, the in-flight one first
     const int first = in.in_flight ? 1 : 0;  // tokens already decoded: `last`, in flight
     if (first && !res.drafts.empty()) {
-        landed_pick = graph_pick(in, -1);
-        const float* row = landed_pick == LLAMA_TOKEN_NULL ? llama_get_logits_ith(in.target, -1) : nullptr;
-        if (landed_pick == LLAMA_TOKEN_NULL && !row) { res.error = "target produced no logits"; return res; }
-        if (row) landed.assign(row, row + n_vocab_of(in.target));
+        if (in.picked) {
+            picks.push_back(llama_get_sampled_token_ith(in.target, -1));
+        } else {
+            const float* row = llama_get_logits_ith(in.target, -1);
+            if (!row) { res.error = "target produced no logits"; return res; }
+            landed.assign(row, row + n_vocab_of(in.target));
+        }
     }
     if (tokens.size() > static_cast<size_t>(first)) {
         batch.set({tokens.begin() + first, tokens.end()}, in.target_n_past + first, in.seq, true);
@@ -167,15 +162,15 @@ RoundResult run_round(const RoundPlan& in, Rng& rng) {
         // sampler attached to the target picked in the graph (no logits are copied back then)
         res.next = sample_context(in.target, -1, in.history, in.params, rng, in.grammar);
         if (res.next < 0) { res.error = "target produced no logits"; return res; }
-    } else if (graph_pick(in, -1) != LLAMA_TOKEN_NULL) {
-        // greedy with the pick in the graph: each row's argmax came back instead of its logits,
-        // and point-mass drafts are accepted while they equal it (what verify() does with rows)
-        auto pick = [&](size_t i) { return i < static_cast<size_t>(first) ? landed_pick
-                                                                          : graph_pick(in, static_cast<int>(i) - first); };
-        while (res.accepted < static_cast<int>(res.drafts.size()) && pick(res.accepted) == res.drafts[res.accepted])
+    } else if (in.picked) {
+        // each row's argmax came back instead of its logits, and point-mass drafts are accepted
+        // while they equal it (what verify() does with greedy rows)
+        for (size_t i = first; i < tokens.size(); ++i)
+            picks.push_back(llama_get_sampled_token_ith(in.target, static_cast<int32_t>(i) - first));
+        if (std::count(picks.begin(), picks.end(), LLAMA_TOKEN_NULL)) { res.error = "target picked no token"; return res; }
+        while (res.accepted < static_cast<int>(res.drafts.size()) && picks[res.accepted] == res.drafts[res.accepted])
             ++res.accepted;
-        res.next = pick(res.accepted);
-        if (res.next == LLAMA_TOKEN_NULL) { res.error = "target picked no token"; return res; }
+        res.next = picks[res.accepted];
     } else {
         const int n_vocab = n_vocab_of(in.target);
         std::vector<const float*> rows(tokens.size());

@@ -43,6 +43,9 @@ struct RoundPlan {
     // tokens, and the next call (in_flight) starts from its result.
     bool overlap = false;
     bool cap_ends_reply = false;  // reaching plain_steps ends the reply: nothing to overlap then
+    // A greedy sampler attached to the target (Context.greedy_on_device) picks in the graph: a
+    // round of n-gram proposals verifies by each row's pick, the in-flight decode's included.
+    bool picked = false;
     // The reply's grammar, in its state after `last` (null: unconstrained). Every pick is made
     // under it, the draft's too (on a copy), and the round advances it along every token it
     // keeps, so after the round it stands after `next` (and a plain run's `more`).

@@ -142,6 +142,10 @@ def test_what_the_native_extension_raises_is_an_engine_error(ctx):
     plan.k, plan.in_flight, plan.draft_feed = 2, True, [1]
     with pytest.raises(EngineError, match="a model draft's round cannot start from a decode in flight"):
         native_round(plan, rng)
+    # only point-mass proposals at T=0 verify by the graph's pick
+    plan.in_flight, plan.picked = False, True
+    with pytest.raises(EngineError, match="only a greedy n-gram round without a grammar verifies by the graph's pick"):
+        native_round(plan, rng)
     with pytest.raises(ConfigError, match="rule must be"):
         SpecConfig(rule="coin-flip")
     with pytest.raises(EngineError, match="seed from 0"):

@@ -153,17 +153,30 @@ def test_sampled_long_ngram_drafts_leave_the_cache_as_recorded(long_ngram, tiny_
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_long_ngram_drafts_verify_by_the_graphs_pick(plain, long_ngram, tiny_model, overlap):
+def test_long_ngram_drafts_verify_by_the_graphs_pick(plain, long_ngram, tiny_model, overlap, monkeypatch):
     """A greedy n-gram reply may let llama.cpp's graph pick (what a GPU holding the output layer
-    does; forced here): then no logits come back at all, and rounds of up to 64 proposals verify
-    by each row's pick, after a decode left in flight or not. The same tokens as plain decoding."""
+    does; forced here): rounds of up to 64 proposals then verify by each row's pick (on a GPU no
+    logits come back), after a decode left in flight or not. The same tokens as plain decoding."""
+    from edgerun.decode import generate as generate_module
+
+    plans = []  # (k, picked, in flight) of each native round: the real call, watched
+    real_round = generate_module._native.round
+
+    def watched(plan, rng):
+        plans.append((plan.k, plan.picked, plan.in_flight))
+        return real_round(plan, rng)
+
     _, want = _reply(plain, max_tokens=300)
+    monkeypatch.setattr(generate_module._native, "round", watched)
     base = long_ngram.spec_config
     long_ngram.spec_config = replace(base, device_greedy=True, overlap=overlap)
     try:
         records, got = _reply(long_ngram, max_tokens=300)
-        assert long_ngram.ctx.picks_on_device  # no row of logits existed in this reply
+        assert long_ngram.ctx.picks_on_device
         assert _tokens(got) == _tokens(want)
+        drafted = [(picked, in_flight) for k, picked, in_flight in plans if k > 0]
+        assert drafted and all(picked for picked, _ in drafted)  # every round verified by the pick
+        assert any(in_flight for _, in_flight in drafted) == overlap  # ... the in-flight decode's too
         rounds = [r for r in records if isinstance(r, Round) and r.drafted]
         assert max(r.drafted for r in rounds) == LONG and max(r.accepted for r in rounds) > governor.K_MAX
         assert any(r.accepted < r.drafted for r in rounds)  # a rejection picks the row's token

@@ -220,6 +220,7 @@ class Speculator:
         plan.p_min, plan.params, plan.rule, plan.plain_budget_s = self.cfg.p_min, self.params, self.cfg.rule, PLAIN_BUDGET_S
         plan.history = self.sampling.penalty_window(committed, last)
         plan.grammar = self.grammar
+        plan.picked = self.target.picks_on_device  # settled before the prompt (settle_sampler)
         if self.ngram:
             self.ngram.extend([last])
             # a proposal runs as far as the earlier text does (up to the most one round may take)
