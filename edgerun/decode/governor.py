@@ -155,10 +155,14 @@ def verify_time(state: GovernorState, n: int) -> float | None:
 def curve(state: GovernorState, n_max: int) -> list[float | None]:
     """verify_time of 1..n_max tokens (index n - 1), computed in one pass: the governor weighs up
     to 65 batch sizes every round."""
-    # the sizes seen in a reply count only for a hopeful drafter; leaving them out of the key
-    # lets choose() and given_up() share one computation (a round asks for the same curve up to three times)
-    return list(_curve(state.verify_s, state.verify_seen if state.hopeful else (), state.hopeful, n_max,
-                       verify_bias(state)))
+    return list(_curve(*_table(state), n_max, verify_bias(state)))
+
+
+def _table(state: GovernorState) -> tuple:
+    """What _curve prices from, besides the bias. The sizes seen in a reply count only for a
+    hopeful drafter; leaving them out of the key lets choose() and given_up() share one
+    computation (a round asks for the same curve up to three times)."""
+    return state.verify_s, state.verify_seen if state.hopeful else (), state.hopeful
 
 
 @functools.lru_cache(maxsize=256)
@@ -492,7 +496,7 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
     n = drafted + 1
     ratios = state.verify_ratios
     if drafted > 0:
-        priced = _curve(state.verify_s, state.verify_seen if state.hopeful else (), state.hopeful, n)[n - 1]
+        priced = _curve(*_table(state), n)[n - 1]  # the table's price, without the bias
         if priced:
             ratios = (*ratios, verify_s / priced)[-BIAS_ROUNDS:]
     table[n] = _cost_ema(table.get(n), verify_s)
