@@ -403,8 +403,9 @@ class Context:
 
     def greedy_on_device(self, on: bool) -> bool:
         """Attach (or detach) a greedy pick inside llama.cpp's graph. While attached, a decode
-        copies one token id back (read by _native.sample_context) instead of a row of n_vocab
-        logits, and no logits are available: only plain greedy decoding may run. With the output
+        copies one token id per output back (read by the native round) instead of rows of n_vocab
+        logits, and logits() refuses: only greedy replies whose rounds need no more than the pick
+        run with it (plain ones, and n-gram ones: RoundPlan.picked). With the output
         layer on a GPU that saves the logits' copy and the host's read of them (about 1% of a
         0.5B step on an H200). The next decode after a change re-plans llama.cpp's graph.
         Returns whether it is attached."""
