@@ -5,6 +5,7 @@ No model needed to test it."""
 
 from __future__ import annotations
 
+import bisect
 import enum
 import functools
 import math
@@ -237,14 +238,14 @@ def _believed(state: GovernorState) -> GovernorState:
 
 
 def _line_pts(pts: list[tuple[int, float]], n: int) -> float:
+    """The price of a size not in pts (sorted by size) from the sizes around it."""
     if len(pts) == 1:
         (n1, t1), = pts
         return t1 * (1 + 0.25 * (n - n1))  # assume batching is cheap until measured
-    below = [p for p in pts if p[0] < n]
-    above = [p for p in pts if p[0] > n]
-    if below and not above:
+    i = bisect.bisect_left(pts, (n,))  # pts[:i] are below n, pts[i:] above (n is not in pts)
+    if i == len(pts):
         return _beyond(pts, n)
-    (na, ta), (nb, tb) = (below[-1], above[0]) if below and above else (pts[0], pts[-1])
+    (na, ta), (nb, tb) = (pts[i - 1], pts[i]) if i > 0 else (pts[0], pts[-1])
     slope = max(0.0, (tb - ta) / (nb - na))
     return ta + slope * (n - na)
 
