@@ -129,8 +129,8 @@ def verify_bias(state: GovernorState) -> float:
     the latest BIAS_ROUNDS ratios (1 until three are known), which multiplies the price of every
     batch of two or more. A table timed at load can be far from what a round costs in a reply:
     on a GPU a round waits for the decode left in flight, runs a batch shape that is not captured
-    yet, copies a row of logits for every token and samples them, where the load-time timing ran
-    a captured shape alone. Sizes are many and each runs rarely, so their own timings would learn
+    yet, and (unless the graph picks) copies a row of logits a token and samples it, where the
+    load-time timing ran a captured shape alone. Sizes are many and each runs rarely, so their own timings would learn
     this one round at a time; the ratio learns it for all of them at once. A median moves for
     no single stall, and a table that catches up brings the ratios back to 1."""
     ratios = state.verify_ratios
