@@ -130,9 +130,10 @@ def verify_bias(state: GovernorState) -> float:
     batch of two or more. A table timed at load can be far from what a round costs in a reply:
     on a GPU a round waits for the decode left in flight, runs a batch shape that is not captured
     yet, and (unless the graph picks) copies a row of logits a token and samples it, where the
-    load-time timing ran a captured shape alone. Sizes are many and each runs rarely, so their own timings would learn
-    this one round at a time; the ratio learns it for all of them at once. A median moves for
-    no single stall, and a table that catches up brings the ratios back to 1."""
+    load-time timing ran a captured shape alone. Sizes are many and each runs rarely, so their
+    own timings would learn this one round at a time; the ratio learns it for all of them at
+    once. A median moves for no single stall, and a table that catches up brings the ratios
+    back to 1."""
     ratios = state.verify_ratios
     return statistics.median(ratios) if len(ratios) >= 3 else 1.0
 
