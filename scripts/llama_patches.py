@@ -80,6 +80,52 @@ static const void * ggml_cuda_graph_get_key(ggml_cgraph * cgraph) {
     return (const void *) (uintptr_t) key;
 }"""
 
+_CUDA_COMMON = "vendor/llama.cpp/ggml/src/ggml-cuda/common.cuh"
+
+_CUDA_GRAPH_EVICT_OLD = """\
+        // sweep every 5s, evicting cuda graphs unused for >=10s
+        if (time_now - last_graph_eviction_sweep >= 5'000'000) {
+            last_graph_eviction_sweep = time_now;
+            for (auto it = cuda_graphs.begin(); it != cuda_graphs.end(); ) {
+                if (time_now - it->second->last_used_time >= 10'000'000) {
+                    it = cuda_graphs.erase(it);
+                } else {
+                    ++it;
+                }
+            }
+        }
+"""
+
+_CUDA_GRAPH_EVICT_NEW = """\
+        // edgerun patch (scripts/llama_patches.py): sweep every 5s, evicting cuda graphs unused for
+        // >=10s, the oldest first, and only while more than `kept` are held. Upstream evicted each
+        // such graph, so a user's pause between two replies dropped the captured graph of every
+        // verify batch size, and in the next reply each size ran uncaptured twice (a new graph
+        // runs directly, and is captured on its second call). The count still bounds what a
+        // context holds (a prompt's last chunk can bring a new shape). EDGERUN_CUDA_GRAPHS_KEPT
+        // sets it (0: upstream's sweep, for side-by-side measurements).
+        static const size_t kept = [] {
+            const char * v = getenv("EDGERUN_CUDA_GRAPHS_KEPT");
+            return v ? (size_t) strtoull(v, nullptr, 10) : (size_t) 160;
+        }();
+        if (time_now - last_graph_eviction_sweep >= 5'000'000) {
+            last_graph_eviction_sweep = time_now;
+            while (cuda_graphs.size() > kept) {
+                auto oldest = cuda_graphs.end();
+                for (auto it = cuda_graphs.begin(); it != cuda_graphs.end(); ++it) {
+                    if (time_now - it->second->last_used_time >= 10'000'000 &&
+                        (oldest == cuda_graphs.end() || it->second->last_used_time < oldest->second->last_used_time)) {
+                        oldest = it;
+                    }
+                }
+                if (oldest == cuda_graphs.end()) {
+                    break;
+                }
+                cuda_graphs.erase(oldest);
+            }
+        }
+"""
+
 _RPC = "vendor/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp"
 _RPC_TRANSPORT = "vendor/llama.cpp/ggml/src/ggml-rpc/transport.cpp"
 
@@ -332,6 +378,7 @@ _RPC_TIMEOUT_NEW = """\
 PATCHES = (
     Patch("cuda-graph-key-per-shape", "vendor/llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu",
           _CUDA_GRAPH_KEY_OLD, _CUDA_GRAPH_KEY_NEW),
+    Patch("cuda-graph-evict-oldest-past-count", _CUDA_COMMON, _CUDA_GRAPH_EVICT_OLD, _CUDA_GRAPH_EVICT_NEW),
     Patch("rpc-failure-state", _RPC, _RPC_STATE_OLD, _RPC_STATE_NEW),
     Patch("rpc-hello-no-abort", _RPC, _RPC_HELLO_OLD, _RPC_HELLO_NEW),
     Patch("rpc-dispatcher-failed", _RPC, _RPC_MEMBERS_OLD, _RPC_MEMBERS_NEW),
