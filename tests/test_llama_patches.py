@@ -110,6 +110,75 @@ def test_the_patched_key_compiles_and_tells_batch_sizes_apart(tmp_path):
     assert all(first for _, first in upstream), "the switch restores the first-node key"
 
 
+
+EVICT = next(p for p in llama_patches.PATCHES if p.name == "cuda-graph-evict-oldest-past-count")
+EVICT_HARNESS = r"""
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <unordered_map>
+static int64_t now_us = 0;
+static int64_t ggml_time_us() { return now_us; }
+struct ggml_cuda_graph { int64_t last_used_time = 0; };
+struct context {
+    std::unordered_map<const void *, std::unique_ptr<ggml_cuda_graph>> cuda_graphs;
+    int64_t last_graph_eviction_sweep = 0;
+    ggml_cuda_graph * cuda_graph(const void * first_node_ptr) {
+        const int64_t time_now = ggml_time_us();
+%s
+        auto it = cuda_graphs.find(first_node_ptr);
+        if (it == cuda_graphs.end()) {
+            it = cuda_graphs.emplace(first_node_ptr, std::make_unique<ggml_cuda_graph>()).first;
+        }
+        it->second->last_used_time = time_now;
+        return it->second.get();
+    }
+};
+int main(int argc, char ** argv) {
+    // each argument "T:K": at second T, use the graph of key K; then print the keys held
+    context ctx;
+    for (int i = 1; i < argc; i++) {
+        now_us = (int64_t) atoll(argv[i]) * 1000000;
+        ctx.cuda_graph((const void *) (uintptr_t) atoll(strchr(argv[i], ':') + 1));
+    }
+    for (uintptr_t k = 1; k < 1000; k++) {
+        if (ctx.cuda_graphs.count((const void *) k)) printf("%%d\n", (int) k);
+    }
+}
+"""
+
+
+@pytest.mark.slow
+def test_the_patched_sweep_keeps_the_newest_graphs_past_a_pause(tmp_path):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx, "setup.sh builds llama.cpp, so a C++ compiler is on this machine"
+    source = tmp_path / "evict.cpp"
+    source.write_text(EVICT_HARNESS.replace("%s", EVICT.new).replace("%%", "%"))
+    binary = tmp_path / "evict"
+    subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", "-O1", str(source), "-o", str(binary)], check=True)
+    # a reply uses graphs 1-5 at second 6, a 30-second pause, then graph 9: its sweep finds
+    # 1-5 unused for 30 s
+    uses = ["6:1", "6:2", "6:3", "6:4", "6:5", "36:9"]
+
+    def held(kept: str | None) -> list[int]:
+        env = {k: v for k, v in os.environ.items() if k != "EDGERUN_CUDA_GRAPHS_KEPT"}
+        if kept is not None:
+            env["EDGERUN_CUDA_GRAPHS_KEPT"] = kept
+        out = subprocess.run([str(binary), *uses], check=True, capture_output=True, text=True, env=env).stdout
+        return [int(line) for line in out.split()]
+
+    assert held(None) == [1, 2, 3, 4, 5, 9], "under the default count nothing is evicted"
+    assert held("0") == [9], "0 restores upstream's sweep: every graph unused for 10 s goes"
+    # over the count, the oldest go first, down to the count (the sweep runs before the graph
+    # in hand is added): graph 1 was last used at second 0, the others at 6
+    uses[0] = "0:1"
+    assert held("4") == [2, 3, 4, 5, 9]
+    # a graph used within the last 10 s stays, over the count too
+    uses = ["0:1", "0:2", "8:3", "14:9"]
+    assert held("1") == [3, 9]
+
 def _cuda_library() -> Path | None:
     import llama_cpp
 
