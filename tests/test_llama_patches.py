@@ -189,5 +189,6 @@ def _cuda_library() -> Path | None:
 @pytest.mark.gpu
 @pytest.mark.skipif(_cuda_library() is None, reason="llama.cpp was built without CUDA on this machine")
 def test_the_cuda_build_carries_the_patch():
-    """setup.sh built the CUDA backend from the patched tree: the patch's switch is in the library."""
-    assert b"EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE" in _cuda_library().read_bytes()
+    """setup.sh built the CUDA backend from the patched tree: the patches' switches are in the library."""
+    library = _cuda_library().read_bytes()
+    assert b"EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE" in library and b"EDGERUN_CUDA_GRAPHS_KEPT" in library
