@@ -121,6 +121,25 @@ void plain_run(const RoundPlan& in, Rng& rng, Batch& batch, RoundResult& res, Cl
     }
 }
 
+// After a round of n-gram proposals (with overlap): trim the rejected drafts, then decode `next`
+// without waiting, as a plain run's last step does. Otherwise the next call decodes `next` while
+// the caller waits, where a steady step's decode runs while the caller plans (on an H100, 1.5B:
+// 3.5 ms for the step after a round against 2.05 ms).
+void next_in_flight(const RoundPlan& in, Batch& batch, RoundResult& res) {
+    if (llama_vocab_is_eog(llama_model_get_vocab(llama_get_model(in.target)), res.next)) return;
+    const int pos = in.target_n_past + static_cast<int>(res.target.kept.size());
+    if (res.target.dropped > 0) {
+        if (!llama_memory_seq_rm(llama_get_memory(in.target), in.seq, pos, -1)) {
+            res.error = "llama.cpp could not trim the KV cache";
+            return;
+        }
+        res.target.dropped = 0;
+    }
+    batch.set({res.next}, pos, in.seq, true);
+    if (llama_decode(in.target, batch.b) != 0) { res.error = "target llama_decode failed"; return; }
+    res.target.in_flight = true;
+}
+
 }  // namespace
 
 RoundResult run_round(const RoundPlan& in, Rng& rng) {
@@ -192,6 +211,7 @@ RoundResult run_round(const RoundPlan& in, Rng& rng) {
     res.target.kept.insert(res.target.kept.end(), res.drafts.begin(), res.drafts.begin() + res.accepted);
     res.target.dropped = static_cast<int>(res.drafts.size()) - res.accepted;
     if (res.drafts.empty() && (in.plain_steps > 1 || in.overlap)) plain_run(in, rng, batch, res, t1);
+    else if (!res.drafts.empty() && in.overlap && !in.draft) next_in_flight(in, batch, res);
     res.verify_s = since(t1);
     return res;
 }

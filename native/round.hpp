@@ -40,7 +40,9 @@ struct RoundPlan {
     bool in_flight = false;
     // A plain run that stops at its step cap or time budget decodes its newest token before
     // returning, without waiting for it: on a GPU that step runs while Python handles the
-    // tokens, and the next call (in_flight) starts from its result.
+    // tokens, and the next call (in_flight) starts from its result. A round of n-gram proposals
+    // does the same with `next`, once it has trimmed its rejected drafts (its KvWrite then
+    // drops nothing). The caller asks only where the reply goes on after the round.
     bool overlap = false;
     bool cap_ends_reply = false;  // reaching plain_steps ends the reply: nothing to overlap then
     // A greedy sampler attached to the target (Context.greedy_on_device) picks in the graph: a

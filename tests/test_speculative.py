@@ -175,19 +175,24 @@ def test_ngram_drafter_on_a_copy_task_accepts_and_stays_exact(small):
 def test_ngram_rounds_verify_after_a_decode_left_in_flight(small, monkeypatch):
     """On a GPU each plain step of an n-gram reply ends by launching its token's decode (forced
     here on the CPU), and a round of proposals verifies after it: that decode's logits row checks
-    the first proposal, the batch holds only the proposals. The same tokens as without the
-    overlap, at T=0 (= plain) and at T=0.7 with one seed, and the KV holds exactly the reply."""
+    the first proposal, the batch holds only the proposals. A drafted round ends the same way:
+    it trims its rejected drafts and launches its last token's decode. The same tokens as without
+    the overlap, at T=0 (= plain) and at T=0.7 with one seed, and the KV holds exactly the reply."""
     import llama_cpp
 
     from edgerun.decode import generate as generate_module
 
     model, ctx, _ = small
     seen = []  # (k, started in flight, left in flight) of each native round: the real call, watched
+    drafted = []  # (drafts, accepted, dropped, left in flight) of each drafted round with the overlap
     real_round = generate_module._native.round
 
     def watched(plan, rng):
         result = real_round(plan, rng)
         seen.append((plan.k, plan.in_flight, result.target.in_flight))
+        if result.drafts and plan.overlap:
+            ends = model.is_eog(result.next)  # nothing to decode after the reply's end
+            drafted.append((len(result.drafts), result.accepted, result.target.dropped, result.target.in_flight or ends))
         return result
 
     monkeypatch.setattr(generate_module._native, "round", watched)
@@ -206,6 +211,10 @@ def test_ngram_rounds_verify_after_a_decode_left_in_flight(small, monkeypatch):
         assert replies[True] == replies[False]
         if sampling is GREEDY:
             assert replies[True] == plain
+    # drafted rounds left their last token's decode in flight, those that rejected drafts too
+    # (trimmed in the round: their write drops nothing)
+    assert drafted and all(left and dropped == 0 for _, _, dropped, left in drafted), drafted
+    assert any(accepted < n for n, accepted, _, _ in drafted), drafted
     # asked to stop while a decode is in flight (the next round may start from it), the reply
     # leaves a usable context: the KV holds what was recorded
     cancel = threading.Event()

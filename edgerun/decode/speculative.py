@@ -236,6 +236,9 @@ class Speculator:
                 plan.k, plan.proposals = decision.k, proposal.tokens[: decision.k]
                 # drafts verify after a decode of `last` left in flight, if any: its row checks the first
                 plan.in_flight = self.target.in_flight(self.seq)
+                # ... and the round leaves its own last token's decode in flight, where the reply
+                # goes on after it even if every draft holds
+                plan.overlap = self.overlap and self.cfg.draft is None and decision.k + 1 < remaining
                 return plan
         if self.cfg.draft is None or self.mode is Mode.PLAIN:
             self._planned = _Planned("model", self.off_why) if self.off_why else _Planned("none", NO_DRAFTER)
