@@ -213,6 +213,17 @@ class Runner:
         for n in (1, *range(1, widest + 1)):  # the single-token step twice: it is nearly every step
             self.ctx.eval([token] * n, all_logits=True)
             self.ctx.trim(0)
+        if self.spec_config.ngram and self.ctx.output_on_gpu:
+            # llama.cpp grows its host buffer of outputs when a batch has more than any before, and
+            # with the pick in the graph (a greedy n-gram reply's) an output takes four rows of
+            # n_vocab (logits, probabilities, candidates, the pick): such a reply's first round of
+            # 33 drafts cost 142 ms on an H100, 13 ms in the next reply. The longest round an
+            # n-gram reply may verify grows it here, once.
+            longest = min(governor.K_MAX_NGRAM, k_limit(self.ctx)) + 1
+            if self.ctx.greedy_on_device(True):
+                self.ctx.eval([token] * longest, all_logits=True)
+                self.ctx.trim(0)
+                self.ctx.greedy_on_device(False)
         if not speculating:
             self._warm_device_greedy()
         if self.draft_ctx is not None:
