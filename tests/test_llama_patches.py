@@ -1,5 +1,6 @@
 """setup.sh's source patches to llama.cpp (scripts/llama_patches.py): they apply once, to the pinned
-text only, and the patched CUDA graph key compiles and separates shapes that share a first node."""
+text only; the patched CUDA graph key compiles and separates shapes that share a first node, and
+the patched sweep of captured graphs compiles and keeps them past a pause, up to its count."""
 import importlib.util
 import os
 import shutil
@@ -110,7 +111,6 @@ def test_the_patched_key_compiles_and_tells_batch_sizes_apart(tmp_path):
     assert all(first for _, first in upstream), "the switch restores the first-node key"
 
 
-
 EVICT = next(p for p in llama_patches.PATCHES if p.name == "cuda-graph-evict-oldest-past-count")
 EVICT_HARNESS = r"""
 #include <cstdint>
@@ -178,6 +178,7 @@ def test_the_patched_sweep_keeps_the_newest_graphs_past_a_pause(tmp_path):
     # a graph used within the last 10 s stays, over the count too
     uses = ["0:1", "0:2", "8:3", "14:9"]
     assert held("1") == [3, 9]
+
 
 def _cuda_library() -> Path | None:
     import llama_cpp
