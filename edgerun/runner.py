@@ -213,7 +213,7 @@ class Runner:
         for n in (1, *range(1, widest + 1)):  # the single-token step twice: it is nearly every step
             self.ctx.eval([token] * n, all_logits=True)
             self.ctx.trim(0)
-        if self.spec_config.ngram and self.ctx.output_on_gpu:
+        if self.spec_config.ngram and self.draft_ctx is None and self.ctx.output_on_gpu:
             # llama.cpp grows its host buffer of outputs when a batch has more than any before, and
             # with the pick in the graph (a greedy n-gram reply's) an output takes four rows of
             # n_vocab (logits, probabilities, candidates, the pick): such a reply's first round of

@@ -17,6 +17,11 @@ every reply. Keyed by shape as well, each batch size keeps its own captured grap
 `edgerun run` replies got 1.0-1.7% faster on the 0.5B and 1.5B shapes and 0.6% on the 7B
 (an A/B of `edgerun run` with the patch and without).
 
+**ggml-cuda's sweep of captured graphs.** Upstream evicts every captured graph unused for 10 s. With
+a graph per shape, a user's pause between two replies then cost every verify batch size its graph,
+and each size ran uncaptured twice in the next reply. Patched, the sweep evicts the oldest such
+graphs only while a context holds more than EDGERUN_CUDA_GRAPHS_KEPT (160; 0 restores upstream's).
+
 **ggml-rpc: a lost server is an error, not an abort.** Upstream's RPC client aborts the whole
 process when a send or receive to a server fails, and waits forever on a server that stops
 answering. For `--rpc` that turns one dead helper machine into a killed chat app. Patched, the
