@@ -216,9 +216,10 @@ class Runner:
         if self.spec_config.ngram and self.draft_ctx is None and self.ctx.output_on_gpu:
             # llama.cpp grows its host buffer of outputs when a batch has more than any before, and
             # with the pick in the graph (a greedy n-gram reply's) an output takes four rows of
-            # n_vocab (logits, probabilities, candidates, the pick): such a reply's first round of
-            # 33 drafts cost 142 ms on an H100, 13 ms in the next reply. The longest round an
-            # n-gram reply may verify grows it here, once.
+            # n_vocab (the logits, the sampler's logits and probabilities, its candidates;
+            # llama_context::output_reserve): such a reply's first round of 33 drafts cost 142 ms
+            # on an H100, 13 ms in the next reply. The longest round an n-gram reply may verify
+            # grows it here, once.
             longest = min(governor.K_MAX_NGRAM, k_limit(self.ctx)) + 1
             if self.ctx.greedy_on_device(True):
                 self.ctx.eval([token] * longest, all_logits=True)
