@@ -19,7 +19,7 @@ every reply. Keyed by shape as well, each batch size keeps its own captured grap
 
 **ggml-cuda's sweep of captured graphs.** Upstream evicts every captured graph unused for 10 s. With
 a graph per shape, a user's pause between two replies then cost every verify batch size its graph,
-and each size ran uncaptured twice in the next reply. Patched, the sweep evicts the oldest such
+and in the next reply each size ran uncaptured, then paid a capture. Patched, the sweep evicts the oldest such
 graphs only while a context holds more than EDGERUN_CUDA_GRAPHS_KEPT (160; 0 restores upstream's).
 
 **ggml-rpc: a lost server is an error, not an abort.** Upstream's RPC client aborts the whole
@@ -105,8 +105,8 @@ _CUDA_GRAPH_EVICT_NEW = """\
         // edgerun patch (scripts/llama_patches.py): sweep every 5s, evicting cuda graphs unused for
         // >=10s, the oldest first, and only while more than `kept` are held. Upstream evicted each
         // such graph, so a user's pause between two replies dropped the captured graph of every
-        // verify batch size, and in the next reply each size ran uncaptured twice (a new graph
-        // runs directly, and is captured on its second call). The count still bounds what a
+        // verify batch size, and in the next reply each size ran uncaptured, then paid a capture
+        // (a new graph runs directly, and is captured on its second call). The count bounds what a
         // context holds (a prompt's last chunk can bring a new shape). EDGERUN_CUDA_GRAPHS_KEPT
         // sets it (0: upstream's sweep, for side-by-side measurements).
         static const size_t kept = [] {
