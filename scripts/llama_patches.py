@@ -15,7 +15,9 @@ a prompt's batch (or a speculative verify batch) overwrote the single-token grap
 properties: the next decode step ran uncaptured and the one after captured the graph again, in
 every reply. Keyed by shape as well, each batch size keeps its own captured graph: on an H200,
 `edgerun run` replies got 1.0-1.7% faster on the 0.5B and 1.5B shapes and 0.6% on the 7B
-(an A/B of `edgerun run` with the patch and without).
+(an A/B of `edgerun run` with the patch and without). The shape is every node's, the KV length the
+attention spans among them, so a batch size keeps a graph per KV length (padded to 256 cells) and a
+reply that runs where an earlier one ran (a new conversation, a regenerated reply) replays them.
 
 **ggml-cuda's sweep of captured graphs.** Upstream evicts every captured graph unused for 10 s. With
 a graph per shape, a user's pause between two replies then cost every verify batch size its graph,
@@ -68,18 +70,35 @@ static const void * ggml_cuda_graph_get_key(ggml_cgraph * cgraph) {
     // llama.cpp builds every batch size on the same first node, so a prompt's batch reset the
     // single-token graph: the next decode step ran uncaptured, the one after captured again. Two
     // shapes that share a key cost a capture, never a wrong result: every node's properties are
-    // compared before a captured graph is replayed. EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE (set to
-    // anything) restores the upstream key, for side-by-side measurements.
+    // compared before a captured graph is replayed. The shape is every node's: the attention's
+    // nodes carry the KV length the batch attends over (llama.cpp pads it to 256 cells), so a batch
+    // size keeps a graph per such length, and a reply that starts where an earlier one did finds
+    // its graphs captured. EDGERUN_CUDA_GRAPH_KEY_ENDS (set to anything) keys by the first and last
+    // nodes' shapes only; EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE restores the upstream key: both for
+    // side-by-side measurements.
     static const bool first_node_only = getenv("EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE") != nullptr;
+    static const bool ends_only = getenv("EDGERUN_CUDA_GRAPH_KEY_ENDS") != nullptr;
     uint64_t key = (uint64_t) (uintptr_t) cgraph->nodes[0];
-    if (!first_node_only) {
+    if (first_node_only) {
+        return (const void *) (uintptr_t) key;
+    }
+    auto mix = [&key](int64_t v) {
+        // multiply-xorshift mixing: a batch size must not cancel out against an address bit
+        key = (key ^ (uint64_t) v) * UINT64_C(0x9e3779b97f4a7c15);
+        key ^= key >> 29;
+    };
+    mix(cgraph->n_nodes);
+    if (ends_only) {
         const ggml_tensor * first = cgraph->nodes[0];
         const ggml_tensor * last  = cgraph->nodes[cgraph->n_nodes - 1];
-        const int64_t shape[] = { cgraph->n_nodes, first->ne[0], first->ne[1], last->ne[0], last->ne[1] };
+        const int64_t shape[] = { first->ne[0], first->ne[1], last->ne[0], last->ne[1] };
         for (const int64_t v : shape) {
-            // multiply-xorshift mixing: a batch size must not cancel out against an address bit
-            key = (key ^ (uint64_t) v) * UINT64_C(0x9e3779b97f4a7c15);
-            key ^= key >> 29;
+            mix(v);
+        }
+    } else {
+        for (int i = 0; i < cgraph->n_nodes; i++) {
+            mix(cgraph->nodes[i]->ne[0]);
+            mix(cgraph->nodes[i]->ne[1]);
         }
     }
     return (const void *) (uintptr_t) key;

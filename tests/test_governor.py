@@ -715,3 +715,31 @@ def test_rounds_dearer_than_the_table_raise_every_price_and_one_stall_does_not()
     for _ in range(40):
         caught = gov.update(caught, k=10, drafted=10, accepted=1, draft_s=0.0, verify_s=3 * gpu_flat(11))
     assert gov.verify_bias(caught) == pytest.approx(1.0, rel=0.05)
+
+
+def test_a_batch_without_a_captured_graph_is_priced_at_what_such_rounds_cost():
+    """A chance match (one draft in three accepted so far in its class) drafts 7 on a GPU's flat
+    costs while every size replays a captured graph; with none captured (a new KV length, a pick
+    just attached) each round costs twice the table until rounds say otherwise, and it decodes
+    plain; with one size captured it drafts that size's worth, though the others are cheaper by
+    the table. Cold rounds teach the cold factor only, and three of them replace the prior."""
+    chance = replace(runner_state(gpu_flat), by_match=((gov.match_bucket(16), 1.0, 2.0, 3),))
+    cold = frozenset(range(2, 22))
+    assert choose(chance, 20, match=16).k == 7
+    assert gov.cold_factor(chance) == gov.COLD_PRIOR
+    assert choose(chance, 20, match=16, cold=cold).kind is Kind.PLAIN
+    assert choose(chance, 20, match=16, cold=cold - {17}).k == 16
+    # a cold round of 8: the table, its bias and the sizes seen in the reply stay as they were
+    s = gov.update(chance, k=7, drafted=7, accepted=0, draft_s=0.0, verify_s=2.4 * gpu_flat(8), match=16, cold=True)
+    assert (s.verify_s, s.verify_seen, s.verify_ratios) == (chance.verify_s, chance.verify_seen, ())
+    priced = gov.verify_time(chance, 8)  # the table's price of 8 (at its most hopeful)
+    assert s.cold_ratios == (pytest.approx(2.4 * gpu_flat(8) / priced),) and gov.cold_factor(s) == gov.COLD_PRIOR
+    assert s.by_match != chance.by_match  # its acceptance counts as any round's
+    warm = gov.update(chance, k=7, drafted=7, accepted=0, draft_s=0.0, verify_s=2.4 * gpu_flat(8), match=16)
+    assert warm.cold_ratios == () and warm.verify_ratios == s.cold_ratios and 8 in warm.verify_seen
+    # cold rounds that cost what the table says (no graphs after all): the factor learns 1
+    for _ in range(3):
+        chance = gov.update(chance, k=7, drafted=7, accepted=0, draft_s=0.0, verify_s=gpu_flat(8), cold=True)
+    assert gov.cold_factor(chance) == pytest.approx(1.0, rel=0.02)
+    assert choose(chance, 20, match=16, cold=cold).k == choose(chance, 20, match=16).k > 0
+    assert gov.cold_factor(gov.new_reply(chance)) == gov.cold_factor(chance)

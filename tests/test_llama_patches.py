@@ -1,5 +1,6 @@
 """setup.sh's source patches to llama.cpp (scripts/llama_patches.py): they apply once, to the pinned
-text only; the patched CUDA graph key compiles and separates shapes that share a first node, and
+text only; the patched CUDA graph key compiles and separates shapes (batch sizes, KV lengths) that share a
+first node, and
 the patched sweep of captured graphs compiles and keeps them past a pause, up to its count."""
 import importlib.util
 import os
@@ -67,15 +68,19 @@ struct ggml_tensor { int64_t ne[4]; };
 struct ggml_cgraph { int n_nodes; ggml_tensor ** nodes; };
 %s
 int main(int argc, char ** argv) {
-    // the node array stays put, as llama.cpp's graph meta buffer does; only the shape changes
-    static ggml_tensor embd, logits, mid;
+    // the node array stays put, as llama.cpp's graph meta buffer does; only the shape changes.
+    // Each graph: nodes, batch tokens, output rows, KV length (the attention's node between)
+    static ggml_tensor embd, logits, mid, attn;
     static ggml_tensor * nodes[2000];
     for (int i = 0; i < 2000; i++) nodes[i] = &mid;
     nodes[0] = &embd;
+    nodes[7] = &attn;
     ggml_cgraph g = { 0, nodes };
-    for (int i = 1; i + 2 < argc; i += 3) {
+    for (int i = 1; i + 3 < argc; i += 4) {
         g.n_nodes = atoi(argv[i]);
         embd.ne[0] = 896; embd.ne[1] = atoi(argv[i + 1]);
+        mid.ne[0] = 896; mid.ne[1] = atoi(argv[i + 1]);
+        attn.ne[0] = atoi(argv[i + 3]); attn.ne[1] = atoi(argv[i + 1]);
         logits.ne[0] = 151936; logits.ne[1] = atoi(argv[i + 2]);
         nodes[g.n_nodes - 1] = &logits;
         printf("%%llu %%d\n", (unsigned long long) (uintptr_t) ggml_cuda_graph_get_key(&g),
@@ -87,7 +92,7 @@ int main(int argc, char ** argv) {
 
 
 @pytest.mark.slow
-def test_the_patched_key_compiles_and_tells_batch_sizes_apart(tmp_path):
+def test_the_patched_key_compiles_and_tells_batch_sizes_and_kv_lengths_apart(tmp_path):
     cxx = shutil.which("g++") or shutil.which("c++")
     assert cxx, "setup.sh builds llama.cpp, so a C++ compiler is on this machine"
     source = tmp_path / "key.cpp"
@@ -95,18 +100,25 @@ def test_the_patched_key_compiles_and_tells_batch_sizes_apart(tmp_path):
     binary = tmp_path / "key"
     subprocess.run([cxx, "-std=c++17", "-Wall", "-Werror", "-O1", str(source), "-o", str(binary)], check=True)
     # one token, then an 83-token prompt (one logits row), then 4- and 5-token verify batches
-    # (every row), then one token again
-    shapes = ["1413", "1", "1", "1521", "83", "1", "1521", "4", "4", "1521", "5", "5", "1413", "1", "1"]
+    # (every row), then one token again; then the 5-token batch past 256 cells of KV, and back
+    shapes = ["1413", "1", "1", "256", "1521", "83", "1", "256", "1521", "4", "4", "256", "1521", "5", "5", "256",
+              "1413", "1", "1", "256", "1521", "5", "5", "512", "1521", "5", "5", "256"]
 
     def keys(env):
         out = subprocess.run([str(binary), *shapes], check=True, capture_output=True, text=True, env=env).stdout
         return [tuple(map(int, line.split())) for line in out.splitlines()]
 
-    env = {k: v for k, v in os.environ.items() if k != "EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE"}
+    env = {k: v for k, v in os.environ.items() if k not in ("EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE",
+                                                             "EDGERUN_CUDA_GRAPH_KEY_ENDS")}
     shaped = keys(env)
     assert len({k for k, _ in shaped[:4]}) == 4, "each batch size has its own captured graph"
     assert shaped[4] == shaped[0], "the single-token key is the same before and after the others"
+    assert shaped[5] not in shaped[:5], "a batch over a longer KV has a graph of its own"
+    assert shaped[6] == shaped[3], "... and the batch back at the first length finds its graph"
     assert not any(first for _, first in shaped)
+    ends = keys(env | {"EDGERUN_CUDA_GRAPH_KEY_ENDS": "1"})
+    assert len({k for k, _ in ends[:4]}) == 4 and ends[4] == ends[0]
+    assert ends[5] == ends[3] == ends[6], "keyed by the ends only, the KV length shares the batch's graph"
     upstream = keys(env | {"EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE": "1"})
     assert all(first for _, first in upstream), "the switch restores the first-node key"
 

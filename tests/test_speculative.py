@@ -233,6 +233,41 @@ def test_ngram_rounds_verify_after_a_decode_left_in_flight(small, monkeypatch):
     assert _run(ctx, tokens, GREEDY, 96, ahead)[0] == plain
 
 
+def test_the_mirror_of_captured_graphs_counts_every_token_llama_cpp_decoded(small):
+    """Where graphs are in play (forced here on the CPU, with the GPU's overlap) the context counts
+    each decode's shape: its evals and each native round's, from what the round reports (drafts
+    verified with `last` or after its decode in flight, plain steps, the decode it leaves in
+    flight). Their tokens add up to what llama.cpp's own counters say it decoded. The first
+    round of a size is cold (it ran uncaptured), a size run twice before at that KV length is
+    not, and the governor's pricing of cold sizes leaves a T=0 reply what plain decoding makes."""
+    import llama_cpp
+
+    from edgerun.runtime.graphs import CapturedGraphs
+
+    model, ctx, _ = small
+    tokens = chat_tokens(model, _user((Path(__file__).parent / "data" / "code_edit.txt").read_text()))
+    ctx.trim(0)
+    plain, _, _ = _run(ctx, tokens, GREEDY, 96)
+    try:
+        for k in (4, None):  # fixed: the same size again and again; governed: priced by the mirror
+            ctx.trim(0)
+            ctx.graphs = CapturedGraphs(ctx.n_ctx, kept=10**6)
+            llama_cpp.llama_perf_context_reset(ctx.ptr)
+            reply, _, rounds = _run(ctx, tokens, GREEDY, 96, SpecConfig(ngram=True, k=k, overlap=True))
+            ctx.land(0)  # the last decode left in flight is done (and counted) before the counters are read
+            perf = llama_cpp.llama_perf_context(ctx.ptr)
+            counted = sum(shape[0] * runs for shape, runs in ctx.graphs.runs().items())
+            assert counted == perf.n_p_eval + perf.n_eval, (k, counted, perf.n_p_eval, perf.n_eval)
+            assert reply == plain
+            drafted = [r for r in rounds if r.drafted]
+            assert drafted[0].cold, "a size's first round runs uncaptured"
+            if k == 4:
+                assert not all(r.cold for r in drafted), "a size run twice before at its KV length replays"
+    finally:
+        ctx.graphs = None
+        ctx.trim(0)
+
+
 def test_rejection_rule_accepts_more_than_sample_and_compare(target_model, small_model):
     """Same prompts, seeds and sampler at T=0.7 with the real pair: the rejection rule keeps a
     draft token with probability min(1, p/q); sample-and-compare (llama.cpp's server) only when

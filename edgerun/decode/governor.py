@@ -26,6 +26,7 @@ BLOCK = 4            # llama.cpp's CPU matmul takes a batch's rows this many at 
 TILE = 16            # ... and, for weights it does not repack, this many rows per chunk (see curve)
 WARM_ROUNDS = 3      # drafted rounds measured before costs may rule a GPU draft out (first shapes run cold)
 BIAS_ROUNDS = 5      # drafted rounds whose cost against the table's price makes the verify bias (see verify_bias)
+COLD_PRIOR = 2.0     # a verify batch without a captured CUDA graph, over the table's price, until measured (see cold_factor)
 
 
 class Kind(enum.Enum):
@@ -89,6 +90,8 @@ class GovernorState:
     counts: tuple[float, float] | None = None
     # the latest drafted rounds' verify time over what the table priced them at (see verify_bias)
     verify_ratios: tuple[float, ...] = ()
+    # ... and the same of the latest rounds whose batch had no captured CUDA graph (see cold_factor)
+    cold_ratios: tuple[float, ...] = ()
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -136,6 +139,18 @@ def verify_bias(state: GovernorState) -> float:
     back to 1."""
     ratios = state.verify_ratios
     return statistics.median(ratios) if len(ratios) >= 3 else 1.0
+
+
+def cold_factor(state: GovernorState) -> float:
+    """How much more a verify batch costs while its shape has no captured CUDA graph (the caller
+    says which sizes: runtime.graphs) than the table says: the median of the latest BIAS_ROUNDS
+    such rounds' ratios, COLD_PRIOR until three are known. The table is timed on captured shapes
+    and learns from rounds that replay one; a cold round runs the kernels one by one or pays the
+    capture (on an H100, 1.5B: 6.8-9.7 ms for 15-33 tokens against 3.3-4.2 replayed). Priced so,
+    a chance match drafts only where its odds pay for the cold batch, and a size already captured
+    at this KV length is preferred to one a token longer that is not."""
+    ratios = state.cold_ratios
+    return statistics.median(ratios) if len(ratios) >= 3 else COLD_PRIOR
 
 
 def verify_time(state: GovernorState, n: int) -> float | None:
@@ -334,13 +349,15 @@ def rate(state: GovernorState, k: int) -> float | None:
 
 
 def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
-           horizon: int | None = None, match: int | None = None, ends: bool = False) -> Decision:
+           horizon: int | None = None, match: int | None = None, ends: bool = False,
+           cold: frozenset[int] = frozenset()) -> Decision:
     """k for the next round and why. `available` caps k (an n-gram drafter's proposal length);
     `lag`: tokens the draft must prefill before it can draft (its prompt, a plain stretch);
     `horizon`: tokens the reply may still produce, over which drafting must win that back;
     `match`: the n-gram proposal's match length (its acceptance class); `ends`: the proposal is
     all there is to copy (the earlier text, or the reply's budget, ends after it), so drafts
-    left out of this round cost a round of their own (see _best)."""
+    left out of this round cost a round of their own (see _best); `cold`: verify batch sizes
+    (drafts + 1) whose CUDA graph is not captured for this round, priced at cold_factor."""
     state = for_match(state, match)
     k_cap = state.k_max if available is None else min(state.k_max, available)
     k_cap = min(k_cap, explore_cap(state))
@@ -351,7 +368,7 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
         return Decision(Kind.MEASURE, 0, "measuring plain decoding")
     measured = _draft_measured(state)
     end = available if ends and available is not None and available <= state.k_max else None
-    best_k, best = _best(state, k_cap, plain, end) if measured else (0, plain)
+    best_k, best = _best(state, k_cap, plain, end, cold) if measured else (0, plain)
     off = None
     if measured:  # a drafter that is not hopeful takes every timing as it is: given_up would find this best k again
         off = given_up(state, k_cap) if state.hopeful else _off_for_good(state, k_cap, plain, best_k)
@@ -419,7 +436,8 @@ def _draft_measured(state: GovernorState) -> bool:
     return state.draft_step_s is not None and len(state.verify_s) >= 2 and state.drafted_rounds >= state.warm_rounds
 
 
-def _best(state: GovernorState, k_cap: int, plain: float, end: int | None = None) -> tuple[int, float]:
+def _best(state: GovernorState, k_cap: int, plain: float, end: int | None = None,
+          cold: frozenset[int] = frozenset()) -> tuple[int, float]:
     """The k with the highest expected rate, and that rate (0 and plain when no k beats plain).
     `end`: the proposal's length when nothing follows it to copy. Then k drafts short of the
     end leave the rest (end - k - 1 drafts, since the round's own pick takes one) to a round of
@@ -429,6 +447,9 @@ def _best(state: GovernorState, k_cap: int, plain: float, end: int | None = None
     best_k, best = 0, plain
     reach = k_cap if end is None else max(k_cap, end)
     costs, gains = curve(state, reach + 1), _gains(state, reach)
+    if cold:
+        factor = cold_factor(state)
+        costs = [t * factor if t is not None and n in cold else t for n, t in enumerate(costs, 1)]
     for k in range(1, k_cap + 1):
         r = _rate_at(costs, gains, state.draft_step_s, k)
         if r is not None and end is not None and k < end and costs[end - k - 1] is not None:
@@ -451,7 +472,7 @@ def new_reply(state: GovernorState) -> GovernorState:
     return replace(fresh, draft_step_s=state.draft_step_s, verify_s=state.verify_s,
                    drafted_rounds=state.drafted_rounds, catch_up_s=state.catch_up_s,
                    plain_from_load=state.plain_from_load, verify_seen=state.verify_seen,
-                   by_match=state.by_match, verify_ratios=state.verify_ratios)
+                   by_match=state.by_match, verify_ratios=state.verify_ratios, cold_ratios=state.cold_ratios)
 
 
 def catch_up_share(state: GovernorState, plain: float) -> float:
@@ -491,18 +512,23 @@ def _cost_ema(old: float | None, new: float) -> float:
 
 
 def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
-           steps: int = 1, match: int | None = None) -> GovernorState:
+           steps: int = 1, match: int | None = None, cold: bool = False) -> GovernorState:
     """Fold one round's measurements into the state. `steps`: plain tokens the round decoded
-    (verify_s is then the time of one of them); `match`: the n-gram proposal's match length."""
+    (verify_s is then the time of one of them); `match`: the n-gram proposal's match length;
+    `cold`: the verify batch had no captured CUDA graph. A cold round's time teaches cold_factor
+    only: the table, its bias and the sizes seen in the reply are about captured batches."""
     table = dict(state.verify_s)
     n = drafted + 1
-    ratios = state.verify_ratios
+    ratios, cold_ratios, seen = state.verify_ratios, state.cold_ratios, state.verify_seen
     if drafted > 0:
         priced = _curve(*_table(state), n)[n - 1]  # the table's price, without the bias
-        if priced:
+        if priced and cold:
+            cold_ratios = (*cold_ratios, verify_s / priced)[-BIAS_ROUNDS:]
+        elif priced:
             ratios = (*ratios, verify_s / priced)[-BIAS_ROUNDS:]
-    table[n] = _cost_ema(table.get(n), verify_s)
-    seen = state.verify_seen if n in state.verify_seen else tuple(sorted((*state.verify_seen, n)))
+    if not (cold and drafted > 0):
+        table[n] = _cost_ema(table.get(n), verify_s)
+        seen = seen if n in seen else tuple(sorted((*seen, n)))
     by_match = state.by_match
     if drafted > 0 and match is not None:
         by_match = _fold_match(state, match, accepted, 0 if accepted == drafted else 1)
@@ -529,7 +555,7 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
     return replace(state, alpha=alpha, accepted_ema=accepted_ema, trials_ema=trials_ema, draft_step_s=draft_step,
                    drafted_rounds=drafted_rounds, plain_from_load=state.plain_from_load and drafted > 0,
                    verify_s=tuple(sorted(table.items())), verify_seen=seen, by_match=by_match, verify_ratios=ratios,
-                   plain_rounds=plain_rounds, probe_every=probe_every)
+                   cold_ratios=cold_ratios, plain_rounds=plain_rounds, probe_every=probe_every)
 
 
 def _fold_match(state: GovernorState, match: int, accepted: int, failures: int) -> tuple:

@@ -77,6 +77,7 @@ class Round:
     draft_s: float
     verify_s: float
     decision: Decision
+    cold: bool = False  # its verify batch had no captured CUDA graph (as runtime.graphs counts them)
 
 
 NO_DRAFTER = Decision(Kind.NONE, 0, "no drafter")
@@ -90,6 +91,7 @@ class _Planned:
     decision: Decision
     catch_up_s: float = 0.0  # the draft's prefill before the round (prefill work, shown in the stats)
     match: int | None = None  # an n-gram proposal's match length (its acceptance class)
+    cold: bool = False  # its verify batch has no captured CUDA graph (runtime.graphs)
 
 
 class Speculator:
@@ -144,8 +146,24 @@ class Speculator:
         if self.cfg.k is not None:
             fit = f" ({room} fit)" if room < self.cfg.k else ""
             return Decision(Kind.FIXED, min(self.cfg.k, available), f"fixed k={self.cfg.k}{fit}")
+        cold = self._cold_sizes(available) if name == "ngram" else frozenset()
         return governor.choose(self.memory.get(name), available, lag=lag if lag > FEED_MAX else 0, horizon=remaining,
-                               match=match, ends=ends)
+                               match=match, ends=ends, cold=cold)
+
+    def _cold_sizes(self, most: int) -> frozenset[int]:
+        """The verify sizes (drafts + 1, up to most + 1) whose decode would not replay a captured
+        CUDA graph now: the batch holds `last` too unless its decode is in flight, and fills the
+        cells up to n_past + size. Empty where graphs are not in play (a CPU). A model draft's
+        rounds are not priced so: on a GPU they verify in stable shapes."""
+        held, first = len(self.target.held(self.seq)), int(self.target.in_flight(self.seq))
+        cold = []
+        for n in range(2, most + 2):
+            replays = self.target.replays(n - first, n - first, held + n)
+            if replays is None:
+                return frozenset()
+            if not replays:
+                cold.append(n)
+        return frozenset(cold)
 
     def _set_mode(self, decision: Decision) -> None:
         """The governed model draft's mode after a decision. A give-up holds to the reply's end:
@@ -230,7 +248,7 @@ class Speculator:
                 budget = len(proposal.tokens) if self.cfg.k is not None else min(len(proposal.tokens), max(1, remaining))
                 # a proposal shorter than asked for is where the copy (or the reply's budget) ends
                 decision = self._choose("ngram", budget, match=proposal.match, ends=budget < governor.K_MAX_NGRAM)
-                self._planned = _Planned("ngram", decision, match=proposal.match)
+                self._planned = _Planned("ngram", decision, match=proposal.match, cold=self._is_cold(decision.k))
                 if decision.k == 0:
                     return self._plain(plan, remaining)
                 plan.k, plan.proposals = decision.k, proposal.tokens[: decision.k]
@@ -257,6 +275,13 @@ class Speculator:
         plan.stable_shapes = self.stable_shapes
         return plan
 
+    def _is_cold(self, k: int) -> bool:
+        """A round of k > 0 drafts verifies in a batch whose CUDA graph is not captured yet."""
+        if k == 0:
+            return False
+        n = k + 1 - int(self.target.in_flight(self.seq))
+        return self.target.replays(n, n, len(self.target.held(self.seq)) + k + 1) is False
+
     def _plain(self, plan: _native.RoundPlan, remaining: int) -> _native.RoundPlan:
         steps = self._plain_steps(remaining)
         plan.plain_steps, plan.in_flight = steps, self.target.in_flight(self.seq)
@@ -270,7 +295,7 @@ class Speculator:
     def after(self, result: _native.RoundResult) -> Round:
         """Commit what the round left in each KV cache and teach the governors."""
         planned = self._planned
-        self.target.commit(self.seq, result.target)
+        self.target.commit(self.seq, result.target, drafted=len(result.drafts))
         drafts, accepted, more = result.drafts, result.accepted, result.more
         if planned.drafter == "model" and planned.decision.k > 0:
             self.cfg.draft.commit(self.seq, result.draft)
@@ -285,9 +310,10 @@ class Speculator:
                 self.memory.put(name, governor.update(
                     self.memory.get(name), k=planned.decision.k if drafts else 0, drafted=len(drafts),
                     accepted=accepted, draft_s=result.draft_s, verify_s=result.verify_s / steps, steps=steps,
-                    match=planned.match if drafts else None))
+                    match=planned.match if drafts else None, cold=planned.cold and bool(drafts)))
         return Round(planned.drafter, planned.decision.k, len(drafts), accepted,
-                     result.draft_s + planned.catch_up_s, result.verify_s, planned.decision)
+                     result.draft_s + planned.catch_up_s, result.verify_s, planned.decision,
+                     cold=planned.cold and bool(drafts))
 
     def finish(self) -> None:
         """The reply is over: each KV keeps only what was recorded (a decode left in flight goes;

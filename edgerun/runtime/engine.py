@@ -6,6 +6,7 @@ deterministic close. Nothing here relies on __del__."""
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import numpy as np
 from edgerun.errors import ConfigError, EngineError
 from edgerun.models.gguf_check import GGUFInfo, inspect
 from edgerun.runtime import llama_log
+from edgerun.runtime.graphs import CapturedGraphs
 from edgerun.settings import EngineSettings
 
 llama_log.install()
@@ -208,6 +210,9 @@ class Context:
         self.mem = llama_cpp.llama_get_memory(self.ptr)
         self._seqs = {seq: KvSequence() for seq in range(settings.n_seq)}
         self._device_greedy = None  # the sampler chain llama.cpp runs in the graph, while attached
+        # the decode shapes ggml-cuda has captured, where the whole model runs on a GPU with graphs on
+        graphs_on = self.output_on_gpu and not os.environ.get("GGML_CUDA_DISABLE_GRAPHS")
+        self.graphs: CapturedGraphs | None = CapturedGraphs(self.n_ctx) if graphs_on else None
 
     def close(self) -> None:
         if self.ptr:
@@ -280,6 +285,20 @@ class Context:
             if rc != 0:
                 raise EngineError(f"llama_decode failed with code {rc}")
             held.extend(chunk)
+            self.ran(len(chunk), len(chunk) if all_logits else 1, len(held))
+
+    def ran(self, tokens: int, outputs: int, end: int) -> None:
+        """Count one decode of `tokens` tokens (`outputs` of them with logits) that filled the
+        sequence's cells up to `end`, in the mirror of captured graphs (the native round's decodes
+        are counted by commit, from what the round reports)."""
+        if self.graphs is not None:
+            self.graphs.ran(tokens, outputs, end, self._device_greedy is not None)
+
+    def replays(self, tokens: int, outputs: int, end: int) -> bool | None:
+        """Whether such a decode would replay a captured CUDA graph; None where graphs are not in play."""
+        if self.graphs is None:
+            return None
+        return self.graphs.replays(tokens, outputs, end, self._device_greedy is not None)
 
     def decode_rows(self, rows: list[tuple[int, list[int], bool]]) -> list[int]:
         """One llama_decode of several sequences' tokens: (seq, tokens, logits for the last one)
@@ -315,14 +334,24 @@ class Context:
             self._seq(dst).tokens.extend(self._seq(src).tokens)
             self.trim(n, dst)
 
-    def commit(self, seq: int, write) -> None:
+    def commit(self, seq: int, write, drafted: int = 0) -> None:
         """Record what a native round left in this KV (a _native.KvWrite): the tokens it kept
         from `pos` on, trimming the positions it decoded but does not keep (rejected drafts),
-        and whether it left one more decode in flight."""
+        and whether it left one more decode in flight. `drafted`: the drafts it verified (in one
+        batch with `last`, unless `last` was in flight; else the round decoded a token at a time)."""
         s = self._seq(seq)
         if write.pos != len(s.tokens):
             raise EngineError(f"a round wrote sequence {seq} from position {write.pos}, but it holds"
                               f" {len(s.tokens)} tokens; start a new conversation")
+        if self.graphs is not None:
+            pos, kept, first = write.pos, len(write.kept), int(s.in_flight)
+            if drafted:
+                self.ran(drafted + 1 - first, drafted + 1 - first, pos + drafted + 1)
+            else:
+                for end in range(pos + 1 + first, pos + kept + 1):
+                    self.ran(1, 1, end)
+            if write.in_flight:
+                self.ran(1, 1, pos + kept + 1)
         s.tokens.extend(write.kept)  # in place: no copy of the whole context per round
         s.in_flight = write.in_flight
         if write.dropped and not llama_cpp.llama_memory_seq_rm(self.mem, seq, len(s.tokens), -1):
@@ -422,6 +451,8 @@ class Context:
             llama_cpp.llama_sampler_free(chain)
             return False
         self._device_greedy = chain
+        if self.graphs is not None:
+            self.graphs.forget_picked()
         return True
 
     def logits(self, i: int = -1) -> np.ndarray:

@@ -1,0 +1,74 @@
+"""Which batch shapes of a context have a captured CUDA graph, as the n-gram governor needs to know
+to price a verify batch.
+
+ggml-cuda runs a decode through a captured CUDA graph only from a shape's third run on: the first
+runs the kernels one by one, the second captures them, later ones replay the capture (one launch).
+On an H100 with the 1.5B, a verify batch of 15-33 tokens took 3.3-4.2 ms replayed and 6.8-9.7 ms
+in its first two runs, against a plain step's 2.1 ms. A round of drafts on a shape not captured
+yet costs twice what the load-time table (timed on captured shapes) says, and a chance match's
+round that drafts many and has none accepted then loses four plain steps' time, not one.
+
+With edgerun's patched graph key (scripts/llama_patches.py) a shape is the batch's tokens, its
+output rows, the KV length it attends over (llama.cpp pads the cells in use to KV_PAD) and whether
+a pick runs in the graph; a context keeps up to EDGERUN_CUDA_GRAPHS_KEPT such graphs, evicting the
+least recently used. This mirror counts the decodes its owners report (the context's own evals, the
+speculator's rounds) under the same keys and evicts the same way. It is an estimate: the governor
+learns how much a shape it calls cold really costs (governor.cold_factor), so a mirror that is
+wrong about a shape costs a price, never a wrong token."""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+KV_PAD = 256  # llama.cpp's KV length per decode: the cells in use, rounded up to this (llama_kv_cache::get_n_kv)
+KEPT = 160    # graphs a context keeps (the patched sweep's EDGERUN_CUDA_GRAPHS_KEPT default)
+REPLAYED = 2  # runs of a shape before its next run replays a captured graph
+
+
+def graphs_kept() -> int:
+    """The sweep's count as the patched library reads it (0, upstream's timed sweep, counts as the default)."""
+    try:
+        kept = int(os.environ.get("EDGERUN_CUDA_GRAPHS_KEPT", KEPT))
+    except ValueError:
+        return KEPT
+    return kept if kept > 0 else KEPT
+
+
+class CapturedGraphs:
+    """Runs of each decode shape in one context's KV stream of `n_cells` cells."""
+
+    def __init__(self, n_cells: int, kept: int | None = None):
+        self.n_cells = n_cells
+        self.kept = graphs_kept() if kept is None else kept
+        self._runs: OrderedDict[tuple[int, int, int, bool], int] = OrderedDict()
+
+    def _key(self, tokens: int, outputs: int, end: int, picked: bool) -> tuple[int, int, int, bool]:
+        """`end`: the stream's cells in use once the batch is in (its last position + 1)."""
+        n_kv = min(self.n_cells, max(KV_PAD, -(-end // KV_PAD) * KV_PAD))
+        return tokens, outputs, n_kv, picked
+
+    def ran(self, tokens: int, outputs: int, end: int, picked: bool) -> None:
+        """One decode of this shape ran."""
+        key = self._key(tokens, outputs, end, picked)
+        self._runs[key] = self._runs.get(key, 0) + 1
+        self._runs.move_to_end(key)
+        while len(self._runs) > self.kept:
+            self._runs.popitem(last=False)
+
+    def replays(self, tokens: int, outputs: int, end: int, picked: bool) -> bool:
+        """The next decode of this shape replays a captured graph."""
+        return self._runs.get(self._key(tokens, outputs, end, picked), 0) >= REPLAYED
+
+    def forget_picked(self) -> None:
+        """A new pick was attached: its tensors live in new buffers, so no graph with a pick in it
+        matches what was captured."""
+        for key in [key for key in self._runs if key[3]]:
+            del self._runs[key]
+
+    def runs(self) -> dict[tuple[int, int, int, bool], int]:
+        """What was counted, oldest first: (tokens, outputs, KV length, picked) -> runs."""
+        return dict(self._runs)
+
+    def __len__(self) -> int:
+        return len(self._runs)

@@ -1,0 +1,53 @@
+"""The mirror of a context's captured CUDA graphs (edgerun/runtime/graphs.py): a shape replays from
+its third run, a shape is its batch, its outputs, its KV length padded to 256 cells and its pick;
+the least recently used go past the kept count; a new pick forgets the graphs that held one."""
+from edgerun.runtime.graphs import KV_PAD, CapturedGraphs, graphs_kept
+
+
+def test_a_shape_replays_from_its_third_run_at_its_kv_length():
+    g = CapturedGraphs(n_cells=4096)
+    for runs in range(3):
+        assert g.replays(17, 17, 300, False) == (runs >= 2)
+        g.ran(17, 17, 300, False)
+    # the same KV length padded: any end from 257 to 512 cells
+    assert g.replays(17, 17, KV_PAD + 1, False) and g.replays(17, 17, 2 * KV_PAD, False)
+    assert not g.replays(17, 17, 2 * KV_PAD + 1, False), "a longer KV is another graph"
+    assert not g.replays(17, 1, 300, False), "one row of logits is another graph (a prompt's chunk)"
+    assert not g.replays(17, 17, 300, True), "a pick in the graph is another graph"
+    # the KV length is never under one pad, nor over the stream's cells
+    g.ran(5, 5, 3, False)
+    g.ran(5, 5, KV_PAD, False)
+    assert g.replays(5, 5, 1, False)
+    small = CapturedGraphs(n_cells=300)
+    small.ran(4, 4, 290, False)
+    small.ran(4, 4, 300, False)
+    assert small.replays(4, 4, 299, False)
+
+
+def test_past_the_kept_count_the_least_recently_used_shapes_go():
+    g = CapturedGraphs(n_cells=4096, kept=3)
+    for n in (2, 3, 4):
+        g.ran(n, n, 10, False)
+        g.ran(n, n, 10, False)
+    g.ran(2, 2, 10, False)  # 2 is now the most recently used
+    g.ran(5, 5, 10, False)
+    assert len(g) == 3
+    assert g.replays(2, 2, 10, False) and g.replays(4, 4, 10, False)
+    assert not g.replays(3, 3, 10, False), "the oldest went"
+
+
+def test_a_new_pick_forgets_the_graphs_that_held_one():
+    g = CapturedGraphs(n_cells=4096)
+    for picked in (False, True):
+        g.ran(9, 9, 40, picked)
+        g.ran(9, 9, 40, picked)
+    g.forget_picked()
+    assert g.replays(9, 9, 40, False) and not g.replays(9, 9, 40, True)
+
+
+def test_the_kept_count_follows_the_patched_sweeps_setting(monkeypatch):
+    monkeypatch.setenv("EDGERUN_CUDA_GRAPHS_KEPT", "12")
+    assert graphs_kept() == 12 and CapturedGraphs(4096).kept == 12
+    for unusable in ("0", "many"):  # upstream's timed sweep, or not a count: the default
+        monkeypatch.setenv("EDGERUN_CUDA_GRAPHS_KEPT", unusable)
+        assert graphs_kept() == 160
