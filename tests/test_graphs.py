@@ -1,6 +1,6 @@
 """The mirror of a context's captured CUDA graphs (edgerun/runtime/graphs.py): a shape replays from
 its third run, a shape is its batch, its outputs, its KV length padded to 256 cells and its pick;
-the least recently used go past the kept count; a new pick forgets the graphs that held one."""
+the least recently used go past the kept count; attaching or detaching a pick forgets them all."""
 from edgerun.runtime.graphs import KV_PAD, CapturedGraphs, graphs_kept
 
 
@@ -36,13 +36,14 @@ def test_past_the_kept_count_the_least_recently_used_shapes_go():
     assert not g.replays(3, 3, 10, False), "the oldest went"
 
 
-def test_a_new_pick_forgets_the_graphs_that_held_one():
+def test_a_pick_attached_or_detached_forgets_every_graph():
     g = CapturedGraphs(n_cells=4096)
     for picked in (False, True):
         g.ran(9, 9, 40, picked)
         g.ran(9, 9, 40, picked)
-    g.forget_picked()
-    assert g.replays(9, 9, 40, False) and not g.replays(9, 9, 40, True)
+    assert g.replays(9, 9, 40, False) and g.replays(9, 9, 40, True)
+    g.forget()
+    assert len(g) == 0 and not g.replays(9, 9, 40, False) and not g.replays(9, 9, 40, True)
 
 
 def test_the_kept_count_follows_the_patched_sweeps_setting(monkeypatch):

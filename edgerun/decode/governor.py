@@ -26,7 +26,7 @@ BLOCK = 4            # llama.cpp's CPU matmul takes a batch's rows this many at 
 TILE = 16            # ... and, for weights it does not repack, this many rows per chunk (see curve)
 WARM_ROUNDS = 3      # drafted rounds measured before costs may rule a GPU draft out (first shapes run cold)
 BIAS_ROUNDS = 5      # drafted rounds whose cost against the table's price makes the verify bias (see verify_bias)
-COLD_PRIOR = 2.0     # a verify batch without a captured CUDA graph, over the table's price, until measured (see cold_factor)
+COLD_PRIOR = 3.0     # a verify batch without a captured CUDA graph, over the table's price, until measured (see cold_factor)
 
 
 class Kind(enum.Enum):
@@ -146,7 +146,8 @@ def cold_factor(state: GovernorState) -> float:
     says which sizes: runtime.graphs) than the table says: the median of the latest BIAS_ROUNDS
     such rounds' ratios, COLD_PRIOR until three are known. The table is timed on captured shapes
     and learns from rounds that replay one; a cold round runs the kernels one by one or pays the
-    capture (on an H100, 1.5B: 6.8-9.7 ms for 15-33 tokens against 3.3-4.2 replayed). Priced so,
+    capture (on an H100, 1.5B: thirteen such rounds of 2-49 tokens cost 1.6-6.2 times the table's
+    price, median about 3, where rounds that replayed cost 1.0-2.0 times it). Priced so,
     a chance match drafts only where its odds pay for the cold batch, and a size already captured
     at this KV length is preferred to one a token longer that is not."""
     ratios = state.cold_ratios

@@ -440,6 +440,8 @@ class Context:
         Returns whether it is attached."""
         if on == (self._device_greedy is not None):
             return on
+        if self.graphs is not None:
+            self.graphs.forget()  # llama.cpp plans its graphs anew: none replays what was captured
         if not on:
             llama_cpp.llama_set_sampler(self.ptr, 0, None)
             llama_cpp.llama_sampler_free(self._device_greedy)
@@ -451,8 +453,6 @@ class Context:
             llama_cpp.llama_sampler_free(chain)
             return False
         self._device_greedy = chain
-        if self.graphs is not None:
-            self.graphs.forget_picked()
         return True
 
     def logits(self, i: int = -1) -> np.ndarray:

@@ -3,15 +3,16 @@ to price a verify batch.
 
 ggml-cuda runs a decode through a captured CUDA graph only from a shape's third run on: the first
 runs the kernels one by one, the second captures them, later ones replay the capture (one launch).
-On an H100 with the 1.5B, a verify batch of 15-33 tokens took 3.3-4.2 ms replayed and 6.8-9.7 ms
-in its first two runs, against a plain step's 2.1 ms. A round of drafts on a shape not captured
-yet costs twice what the load-time table (timed on captured shapes) says, and a chance match's
-round that drafts many and has none accepted then loses four plain steps' time, not one.
+On an H100 with the 1.5B, verify batches that replayed a capture cost 2.6-3.9 ms for 1 token
+after a decode in flight (a plain step: 2.1 ms), those that did not 8-13.6 ms for 2-5 tokens and
+10-26 ms for 15-48: a chance match's round that drafts many and has none accepted then loses five
+to ten plain steps' time, where the load-time table (timed on captured shapes) priced it at two.
 
 With edgerun's patched graph key (scripts/llama_patches.py) a shape is the batch's tokens, its
 output rows, the KV length it attends over (llama.cpp pads the cells in use to KV_PAD) and whether
 a pick runs in the graph; a context keeps up to EDGERUN_CUDA_GRAPHS_KEPT such graphs, evicting the
-least recently used. This mirror counts the decodes its owners report (the context's own evals, the
+least recently used, and attaching or detaching the pick re-plans llama.cpp's scheduler, after
+which no shape replays until it has run twice again. This mirror counts the decodes its owners report (the context's own evals, the
 speculator's rounds) under the same keys and evicts the same way. It is an estimate: the governor
 learns how much a shape it calls cold really costs (governor.cold_factor), so a mirror that is
 wrong about a shape costs a price, never a wrong token."""
@@ -60,11 +61,10 @@ class CapturedGraphs:
         """The next decode of this shape replays a captured graph."""
         return self._runs.get(self._key(tokens, outputs, end, picked), 0) >= REPLAYED
 
-    def forget_picked(self) -> None:
-        """A new pick was attached: its tensors live in new buffers, so no graph with a pick in it
-        matches what was captured."""
-        for key in [key for key in self._runs if key[3]]:
-            del self._runs[key]
+    def forget(self) -> None:
+        """The pick was attached or detached: llama.cpp re-plans its scheduler, and on an H100 a
+        verify size captured before ran at cold cost after it (8-13.6 ms against 2.6-3.4)."""
+        self._runs.clear()
 
     def runs(self) -> dict[tuple[int, int, int, bool], int]:
         """What was counted, oldest first: (tokens, outputs, KV length, picked) -> runs."""
