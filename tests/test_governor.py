@@ -722,13 +722,17 @@ def test_a_batch_without_a_captured_graph_is_priced_at_what_such_rounds_cost():
     costs while every size replays a captured graph; with none captured (a new KV length, a pick
     just attached) each round costs twice the table until rounds say otherwise, and it decodes
     plain; with one size captured it drafts that size's worth, though the others are cheaper by
-    the table. Cold rounds teach the cold factor only, and three of them replace the prior."""
+    the table. A copy drafts as long cold as captured: its round pays even at the cold price.
+    Cold rounds teach the cold factor only, and three of them replace the prior."""
     chance = replace(runner_state(gpu_flat), by_match=((gov.match_bucket(16), 1.0, 2.0, 3),))
     cold = frozenset(range(2, 22))
     assert choose(chance, 20, match=16).k == 7
     assert gov.cold_factor(chance) == gov.COLD_PRIOR
     assert choose(chance, 20, match=16, cold=cold).kind is Kind.PLAIN
     assert choose(chance, 20, match=16, cold=cold - {17}).k == 16
+    # a copy's long round pays even cold: it stays long, not capped at the captured 16 drafts
+    copy = replace(chance, by_match=((gov.match_bucket(64), 200.0, 0.5, 4),))
+    assert choose(copy, 64, match=64).k == choose(copy, 64, match=64, cold=frozenset(range(2, 66)) - {17}).k == 63
     # a cold round of 8: the table, its bias and the sizes seen in the reply stay as they were
     s = gov.update(chance, k=7, drafted=7, accepted=0, draft_s=0.0, verify_s=2.4 * gpu_flat(8), match=16, cold=True)
     assert (s.verify_s, s.verify_seen, s.verify_ratios) == (chance.verify_s, chance.verify_seen, ())

@@ -369,7 +369,12 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
         return Decision(Kind.MEASURE, 0, "measuring plain decoding")
     measured = _draft_measured(state)
     end = available if ends and available is not None and available <= state.k_max else None
-    best_k, best = _best(state, k_cap, plain, end, cold) if measured else (0, plain)
+    best_k, best = _best(state, k_cap, plain, end) if measured else (0, plain)
+    if best_k + 1 in cold and not _best(state, best_k, plain, end, cold, lo=best_k)[0]:
+        # the table's best k does not pay at its cold price: the best that does (a size captured
+        # already, or plain). One that pays cold stays: a copy's long rounds pay the capture once
+        # and replay it from the third round on, where a captured shorter size would cap them
+        best_k, best = _best(state, k_cap, plain, end, cold)
     off = None
     if measured:  # a drafter that is not hopeful takes every timing as it is: given_up would find this best k again
         off = given_up(state, k_cap) if state.hopeful else _off_for_good(state, k_cap, plain, best_k)
@@ -438,7 +443,7 @@ def _draft_measured(state: GovernorState) -> bool:
 
 
 def _best(state: GovernorState, k_cap: int, plain: float, end: int | None = None,
-          cold: frozenset[int] = frozenset()) -> tuple[int, float]:
+          cold: frozenset[int] = frozenset(), lo: int = 1) -> tuple[int, float]:
     """The k with the highest expected rate, and that rate (0 and plain when no k beats plain).
     `end`: the proposal's length when nothing follows it to copy. Then k drafts short of the
     end leave the rest (end - k - 1 drafts, since the round's own pick takes one) to a round of
@@ -451,7 +456,7 @@ def _best(state: GovernorState, k_cap: int, plain: float, end: int | None = None
     if cold:
         factor = cold_factor(state)
         costs = [t * factor if t is not None and n in cold else t for n, t in enumerate(costs, 1)]
-    for k in range(1, k_cap + 1):
+    for k in range(lo, k_cap + 1):
         r = _rate_at(costs, gains, state.draft_step_s, k)
         if r is not None and end is not None and k < end and costs[end - k - 1] is not None:
             # the rest's round comes only if all k drafts are accepted (chance `held`), and then it
