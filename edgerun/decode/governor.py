@@ -146,8 +146,8 @@ def cold_factor(state: GovernorState) -> float:
     says which sizes: runtime.graphs) than the table says: the median of the latest BIAS_ROUNDS
     such rounds' ratios, COLD_PRIOR until three are known. The table is timed on captured shapes
     and learns from rounds that replay one; a cold round runs the kernels one by one or pays the
-    capture (on an H100, 1.5B: thirteen such rounds of 2-49 tokens cost 1.6-6.2 times the table's
-    price, median about 3, where rounds that replayed cost 1.0-2.0 times it). Priced so,
+    capture (on an H100, 1.5B: such rounds of 2-48 tokens cost 1.6-6.9 times the table's price,
+    most of them about 3, where rounds that replayed cost 1.0-2.3 times it). Priced so,
     a chance match drafts only where its odds pay for the cold batch, and a size already captured
     at this KV length is preferred to one a token longer that is not."""
     ratios = state.cold_ratios

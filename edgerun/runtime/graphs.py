@@ -3,9 +3,9 @@ to price a verify batch.
 
 ggml-cuda runs a decode through a captured CUDA graph only from a shape's third run on: the first
 runs the kernels one by one, the second captures them, later ones replay the capture (one launch).
-On an H100 with the 1.5B, verify batches that replayed a capture cost 2.6-3.9 ms for 1 token
+On an H100 with the 1.5B, verify batches that replayed a capture cost 2.6-5.0 ms for 1 token
 after a decode in flight (a plain step: 2.1 ms), those that did not 8-13.6 ms for 2-5 tokens and
-10-26 ms for 15-48: a chance match's round that drafts many and has none accepted then loses five
+9-26 ms for 7-48: a chance match's round that drafts many and has none accepted then loses five
 to ten plain steps' time, where the load-time table (timed on captured shapes) priced it at two.
 
 With edgerun's patched graph key (scripts/llama_patches.py) a shape is the batch's tokens, its
