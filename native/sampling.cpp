@@ -9,7 +9,10 @@
 #include <limits>
 #include <numeric>
 #include <stdexcept>
+#include <string>
 #include <unordered_set>
+
+#include <omp.h>
 
 namespace edgerun {
 
@@ -253,12 +256,74 @@ static void check_verify_args(const std::vector<const float*>& rows, int n_vocab
         if (x < 0 || x >= n_vocab) throw std::invalid_argument("draft token outside the vocabulary");
 }
 
+namespace {
+
+// Most rows whose distributions one verify computes side by side (see Wave): OpenMP's thread
+// count (OMP_NUM_THREADS, else the cores) up to this.
+constexpr int VERIFY_LANES = 8;
+
+// The target's distributions of a verify's rows, computed a wave of rows at a time on several
+// threads and then judged in order. A row's distribution depends only on its logits and the
+// history before it (the drafts ahead of it, all accepted if the row is reached), so the result is
+// the sequential one. One row is a pass over the vocabulary (about 0.3 ms for Qwen's 151936 on the
+// 2-core CPU): a code edit's 64-draft round at T=0.7, every draft accepted, spent 20 ms on the host
+// judging one row after another, where the GPU verified the batch in a few. A wave stops being
+// useful where a draft is rejected; the next starts at the row reached.
+class Wave {
+public:
+    Wave(const std::vector<const float*>& rows, int n_vocab, const std::vector<int32_t>& drafts,
+         const SamplerParams& p)
+        : rows_(rows), n_vocab_(n_vocab), drafts_(drafts), p_(p),
+          lanes_(std::max(1, std::min({VERIFY_LANES, omp_get_max_threads(), static_cast<int>(rows.size())}))) {}
+
+    // Row i's distribution, with `history` the history before it; computes the next wave from i
+    // on when row i is past the current one. `out` is swapped with the wave's copy.
+    void take(size_t i, const std::vector<int32_t>& history, std::vector<float>& out) {
+        if (i < from_ || i >= from_ + dists_.size()) fill(i, history);
+        out.swap(dists_[i - from_]);
+    }
+
+private:
+    void fill(size_t i, const std::vector<int32_t>& history) {
+        const int n = static_cast<int>(std::min<size_t>(lanes_, rows_.size() - i));
+        std::vector<std::vector<int32_t>> hist(n, history);
+        for (int j = 1; j < n; ++j) {
+            hist[j] = hist[j - 1];
+            push_history(hist[j], drafts_[i + j - 1], p_);
+        }
+        from_ = i;
+        dists_.resize(n);
+        std::vector<std::string> errors(n);
+        #pragma omp parallel for num_threads(n) schedule(static, 1)
+        for (int j = 0; j < n; ++j) {
+            try {
+                distribution(rows_[i + j], n_vocab_, hist[j], p_, dists_[j]);
+            } catch (const std::exception& e) {
+                errors[j] = e.what();  // an exception must not leave an OpenMP region
+            }
+        }
+        for (const auto& e : errors)
+            if (!e.empty()) throw std::invalid_argument(e);
+    }
+
+    const std::vector<const float*>& rows_;
+    const int n_vocab_;
+    const std::vector<int32_t>& drafts_;
+    const SamplerParams& p_;
+    const int lanes_;
+    size_t from_ = 0;
+    std::vector<std::vector<float>> dists_;
+};
+
+}  // namespace
+
 Verdict verify(const std::vector<const float*>& rows, int n_vocab, const std::vector<int32_t>& drafts,
                const std::vector<std::vector<float>>& q, std::vector<int32_t> history,
                const SamplerParams& p, AcceptRule rule, Rng& rng, Grammar* g) {
     check_verify_args(rows, n_vocab, drafts, q);
     Verdict v;
     std::vector<float> pdist;
+    Wave wave(rows, n_vocab, drafts, p);  // without a grammar, whose state moves row by row
     for (size_t i = 0; i <= drafts.size(); ++i) {
         const bool bonus = i == drafts.size();
         if (p.greedy()) {
@@ -267,7 +332,7 @@ Verdict verify(const std::vector<const float*>& rows, int n_vocab, const std::ve
             if (bonus || best != drafts[i]) { v.next = best; return v; }
         } else {
             if (g) masked_distribution(rows[i], n_vocab, history, p, *g, pdist);
-            else distribution(rows[i], n_vocab, history, p, pdist);
+            else wave.take(i, history, pdist);
             if (bonus) { v.next = sample_dense(pdist, rng.uniform()); return v; }
             const int32_t x = drafts[i];
             const bool point_mass = q.empty();

@@ -234,6 +234,50 @@ def test_verify_matches_reference(rule, q_mode):
     assert accepted_any > 0  # the cases exercise acceptance, not only rejection
 
 
+def long_verify_verdicts(cases: int = 40) -> tuple[list, int]:
+    """The native verdicts of 64-draft n-gram rounds at T > 0 with a repeat penalty (each row's
+    distribution depends on the drafts before it, so rows computed side by side must each get
+    their own history), and how many equal the sequential reference's."""
+    gen = np.random.default_rng(2026)
+    verdicts, same = [], 0
+    for _ in range(cases):
+        vocab = int(gen.choice([200, 1000]))
+        rows = (gen.standard_normal((65, vocab)) * 2.0).astype(np.float32)
+        drafts = [int(np.argmax(r)) for r in rows[:64]]
+        for i, d in enumerate(drafts):
+            rows[i, d] += float(gen.uniform(2.0, 8.0))  # most drafts held, some rejected on the way
+        history = random_history(gen, vocab, 20) + drafts[:3]  # the penalty bites on repeats
+        native, ref = make_params(float(gen.uniform(0.5, 1.2)), repeat_penalty=1.3)
+        seed = int(gen.integers(0, 2**63))
+        got = _native.verify(rows, drafts, None, history, native, "rejection", _native.Rng(seed))
+        same += got == reference.verify(rows, drafts, None, history, ref, "rejection", reference.Rng(seed))
+        verdicts.append(list(got))
+    return verdicts, same
+
+
+def test_long_verifies_at_t_above_0_judge_rows_computed_side_by_side_as_one_by_one():
+    """The native verify computes a wave of rows' distributions on several threads (OpenMP's
+    count, up to 8) and judges them in order: the verdicts are the same with this machine's
+    threads, with one (row after row) and with 7 (waves that do not divide 64), and they are
+    the NumPy reference's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    verdicts, same = long_verify_verdicts()
+    assert same >= 0.95 * len(verdicts)
+    assert sum(accepted > 8 for accepted, _ in verdicts) > len(verdicts) // 4  # rounds past a wave of 8
+    assert any(accepted < 64 for accepted, _ in verdicts)
+    code = ("import json, sys; sys.path.insert(0, 'tests'); from test_native_sampling import long_verify_verdicts;"
+            " print(json.dumps(long_verify_verdicts()[0]))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for threads in ("1", "7"):
+        out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, OMP_NUM_THREADS=threads),
+                             check=True, capture_output=True, text=True, cwd=root).stdout
+        assert json.loads(out) == verdicts, f"OMP_NUM_THREADS={threads}"
+
+
 @pytest.mark.parametrize("q_mode", ["dense", "none"])
 @pytest.mark.parametrize("rule", ["rejection", "match"])
 def test_greedy_verify_matches_reference_exactly(rule, q_mode):
