@@ -261,6 +261,8 @@ namespace {
 // Most rows whose distributions one verify computes side by side (see Wave): OpenMP's thread
 // count (OMP_NUM_THREADS, else the cores) up to this.
 constexpr int VERIFY_LANES = 8;
+// ... for vocabularies at least this large: below, a row costs less than handing it to a thread
+constexpr int VERIFY_LANES_FROM_VOCAB = 16384;
 
 // The target's distributions of a verify's rows, computed a wave of rows at a time on several
 // threads and then judged in order. A row's distribution depends only on its logits and the
@@ -274,7 +276,8 @@ public:
     Wave(const std::vector<const float*>& rows, int n_vocab, const std::vector<int32_t>& drafts,
          const SamplerParams& p)
         : rows_(rows), n_vocab_(n_vocab), drafts_(drafts), p_(p),
-          lanes_(std::max(1, std::min({VERIFY_LANES, omp_get_max_threads(), static_cast<int>(rows.size())}))) {}
+          lanes_(n_vocab < VERIFY_LANES_FROM_VOCAB ? 1
+                 : std::max(1, std::min({VERIFY_LANES, omp_get_max_threads(), static_cast<int>(rows.size())}))) {}
 
     // Row i's distribution, with `history` the history before it; computes the next wave from i
     // on when row i is past the current one. `out` is swapped with the wave's copy.
