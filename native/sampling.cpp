@@ -268,16 +268,19 @@ constexpr int VERIFY_LANES_FROM_VOCAB = 16384;
 // threads and then judged in order. A row's distribution depends only on its logits and the
 // history before it (the drafts ahead of it, all accepted if the row is reached), so the result is
 // the sequential one. One row is a pass over the vocabulary (about 0.3 ms for Qwen's 151936 on the
-// 2-core CPU): a code edit's 64-draft round at T=0.7, every draft accepted, spent 20 ms on the host
-// judging one row after another, where the GPU verified the batch in a few. A wave stops being
-// useful where a draft is rejected; the next starts at the row reached.
+// 2-core CPU, where a 64-draft verify at T=0.7 with every draft accepted took 15-21 ms judging one
+// row after another), while a GPU verifies the batch in a few milliseconds: on an H100 a code edit
+// at T=0.7 went from 1.23x to 1.71x prompt lookup at its best setting. A wave stops being useful
+// where a draft is rejected; the next starts at the row reached.
 class Wave {
 public:
     Wave(const std::vector<const float*>& rows, int n_vocab, const std::vector<int32_t>& drafts,
          const SamplerParams& p)
         : rows_(rows), n_vocab_(n_vocab), drafts_(drafts), p_(p),
-          lanes_(n_vocab < VERIFY_LANES_FROM_VOCAB ? 1
-                 : std::max(1, std::min({VERIFY_LANES, omp_get_max_threads(), static_cast<int>(rows.size())}))) {}
+          lanes_(n_vocab < VERIFY_LANES_FROM_VOCAB
+                     ? 1
+                     : std::max(1, std::min({VERIFY_LANES, omp_get_max_threads(),
+                                             static_cast<int>(rows.size())}))) {}
 
     // Row i's distribution, with `history` the history before it; computes the next wave from i
     // on when row i is past the current one. `out` is swapped with the wave's copy.

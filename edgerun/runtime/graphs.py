@@ -12,23 +12,24 @@ With edgerun's patched graph key (scripts/llama_patches.py) a shape is the batch
 output rows, the KV length it attends over (llama.cpp pads the cells in use to KV_PAD) and whether
 a pick runs in the graph; a context keeps up to EDGERUN_CUDA_GRAPHS_KEPT such graphs, evicting the
 least recently used, and attaching or detaching the pick re-plans llama.cpp's scheduler, after
-which no shape replays until it has run twice again. This mirror counts the decodes its owners report (the context's own evals, the
-speculator's rounds) under the same keys and evicts the same way. It is an estimate: the governor
-learns how much a shape it calls cold really costs (governor.cold_factor), so a mirror that is
-wrong about a shape costs a price, never a wrong token."""
+which no shape replays until it has run twice again. This mirror counts the decodes its context
+reports (its own evals, and each native round's at commit) under the same keys and evicts the
+same way. It is an estimate: the governor learns how much a shape it calls cold really costs
+(governor.cold_factor), so a mirror that is wrong about a shape costs a price, never a token."""
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
 
-KV_PAD = 256  # llama.cpp's KV length per decode: the cells in use, rounded up to this (llama_kv_cache::get_n_kv)
+KV_PAD = 256  # llama.cpp's KV length per decode: the cells in use rounded up to this (get_n_kv)
 KEPT = 160    # graphs a context keeps (the patched sweep's EDGERUN_CUDA_GRAPHS_KEPT default)
 REPLAYED = 2  # runs of a shape before its next run replays a captured graph
 
 
 def graphs_kept() -> int:
-    """The sweep's count as the patched library reads it (0, upstream's timed sweep, counts as the default)."""
+    """The sweep's count as the patched library reads it (0, upstream's timed sweep, and anything
+    not a count give the default)."""
     try:
         kept = int(os.environ.get("EDGERUN_CUDA_GRAPHS_KEPT", KEPT))
     except ValueError:
