@@ -277,10 +277,7 @@ class Speculator:
 
     def _is_cold(self, k: int) -> bool:
         """A round of k > 0 drafts verifies in a batch whose CUDA graph is not captured yet."""
-        if k == 0:
-            return False
-        n = k + 1 - int(self.target.in_flight(self.seq))
-        return self.target.replays(n, n, len(self.target.held(self.seq)) + k + 1) is False
+        return k > 0 and k + 1 in self._cold_sizes(k)
 
     def _plain(self, plan: _native.RoundPlan, remaining: int) -> _native.RoundPlan:
         steps = self._plain_steps(remaining)

@@ -13,8 +13,8 @@ output rows, the KV length it attends over (llama.cpp pads the cells in use to K
 a pick runs in the graph; a context keeps up to EDGERUN_CUDA_GRAPHS_KEPT such graphs, evicting the
 least recently used, and attaching or detaching the pick re-plans llama.cpp's scheduler, after
 which no shape replays until it has run twice again. This mirror counts the decodes its context
-reports (its own evals, and each native round's at commit) under the same keys and evicts the
-same way. It is an estimate: the governor learns how much a shape it calls cold really costs
+reports (its own evals, and each native round's at commit; not the server's batches of several
+sequences, which only make a later price wrong) under the same keys and evicts the same way. It is an estimate: the governor learns how much a shape it calls cold really costs
 (governor.cold_factor), so a mirror that is wrong about a shape costs a price, never a token."""
 
 from __future__ import annotations
