@@ -12,7 +12,9 @@
 #include <string>
 #include <unordered_set>
 
+#ifdef _OPENMP
 #include <omp.h>
+#endif
 
 namespace edgerun {
 
@@ -259,10 +261,18 @@ static void check_verify_args(const std::vector<const float*>& rows, int n_vocab
 namespace {
 
 // Most rows whose distributions one verify computes side by side (see Wave): OpenMP's thread
-// count (OMP_NUM_THREADS, else the cores) up to this.
+// count (OMP_NUM_THREADS, else the cores) up to this; one where the build has no OpenMP.
 constexpr int VERIFY_LANES = 8;
 // ... for vocabularies at least this large: below, a row costs less than handing it to a thread
 constexpr int VERIFY_LANES_FROM_VOCAB = 16384;
+
+int openmp_threads() {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
 
 // The target's distributions of a verify's rows, computed a wave of rows at a time on several
 // threads and then judged in order. A row's distribution depends only on its logits and the
@@ -279,7 +289,7 @@ public:
         : rows_(rows), n_vocab_(n_vocab), drafts_(drafts), p_(p),
           lanes_(n_vocab < VERIFY_LANES_FROM_VOCAB
                      ? 1
-                     : std::max(1, std::min({VERIFY_LANES, omp_get_max_threads(),
+                     : std::max(1, std::min({VERIFY_LANES, openmp_threads(),
                                              static_cast<int>(rows.size())}))) {}
 
     // Row i's distribution, with `history` the history before it; computes the next wave from i
@@ -300,7 +310,9 @@ private:
         from_ = i;
         dists_.resize(n);
         std::vector<std::string> errors(n);
+#ifdef _OPENMP
         #pragma omp parallel for num_threads(n) schedule(static, 1)
+#endif
         for (int j = 0; j < n; ++j) {
             try {
                 distribution(rows_[i + j], n_vocab_, hist[j], p_, dists_[j]);
