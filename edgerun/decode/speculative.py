@@ -135,9 +135,10 @@ class Speculator:
         return self.cfg.draft is not None and self.cfg.k is None
 
     def _choose(self, name: str, available: int | None, remaining: int | None = None, lag: int = 0,
-                match: int | None = None, ends: bool = False) -> Decision:
+                match: int | None = None, ends: bool = False, cold: frozenset[int] = frozenset()) -> Decision:
         """`lag`: tokens the model draft would prefill before drafting (0 for a short lag, which
-        rides along in the round's batch); `ends`: nothing follows the proposal to copy. k never
+        rides along in the round's batch); `ends`: nothing follows the proposal to copy; `cold`:
+        verify sizes without a captured CUDA graph (governor.choose). k never
         exceeds what one batch holds, nor the context left: the verify batch writes `last` and k
         drafts from position n_past on."""
         room = min(self.k_cap, self.target.n_ctx - len(self.target.held(self.seq)) - 1)
@@ -146,24 +147,8 @@ class Speculator:
         if self.cfg.k is not None:
             fit = f" ({room} fit)" if room < self.cfg.k else ""
             return Decision(Kind.FIXED, min(self.cfg.k, available), f"fixed k={self.cfg.k}{fit}")
-        cold = self._cold_sizes(available) if name == "ngram" else frozenset()
         return governor.choose(self.memory.get(name), available, lag=lag if lag > FEED_MAX else 0, horizon=remaining,
                                match=match, ends=ends, cold=cold)
-
-    def _cold_sizes(self, most: int) -> frozenset[int]:
-        """The verify sizes (drafts + 1, up to most + 1) whose decode would not replay a captured
-        CUDA graph now: the batch holds `last` too unless its decode is in flight, and fills the
-        cells up to n_past + size. Empty where graphs are not in play (a CPU). A model draft's
-        rounds are not priced so: on a GPU they verify in stable shapes."""
-        held, first = len(self.target.held(self.seq)), int(self.target.in_flight(self.seq))
-        cold = []
-        for n in range(2, most + 2):
-            replays = self.target.replays(n - first, n - first, held + n)
-            if replays is None:
-                return frozenset()
-            if not replays:
-                cold.append(n)
-        return frozenset(cold)
 
     def _set_mode(self, decision: Decision) -> None:
         """The governed model draft's mode after a decision. A give-up holds to the reply's end:
@@ -247,8 +232,12 @@ class Speculator:
                 # the governor drafts nothing past the reply's token budget (never shown); a fixed k is the user's
                 budget = len(proposal.tokens) if self.cfg.k is not None else min(len(proposal.tokens), max(1, remaining))
                 # a proposal shorter than asked for is where the copy (or the reply's budget) ends
-                decision = self._choose("ngram", budget, match=proposal.match, ends=budget < governor.K_MAX_NGRAM)
-                self._planned = _Planned("ngram", decision, match=proposal.match, cold=self._is_cold(decision.k))
+                # only the n-gram drafter's rounds are priced cold: a model draft's are at most
+                # K_MAX + 1 tokens, and how they run cold was not measured
+                cold = self.target.cold_verify_sizes(budget, self.seq)
+                decision = self._choose("ngram", budget, match=proposal.match, ends=budget < governor.K_MAX_NGRAM,
+                                        cold=cold)
+                self._planned = _Planned("ngram", decision, match=proposal.match, cold=decision.k + 1 in cold)
                 if decision.k == 0:
                     return self._plain(plan, remaining)
                 plan.k, plan.proposals = decision.k, proposal.tokens[: decision.k]
@@ -274,10 +263,6 @@ class Speculator:
         plan.k, plan.draft, plan.draft_feed, plan.draft_n_past = decision.k, self.cfg.draft.address, feed, n_past
         plan.stable_shapes = self.stable_shapes
         return plan
-
-    def _is_cold(self, k: int) -> bool:
-        """A round of k > 0 drafts verifies in a batch whose CUDA graph is not captured yet."""
-        return k > 0 and k + 1 in self._cold_sizes(k)
 
     def _plain(self, plan: _native.RoundPlan, remaining: int) -> _native.RoundPlan:
         steps = self._plain_steps(remaining)

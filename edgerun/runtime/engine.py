@@ -292,13 +292,16 @@ class Context:
         sequence's cells up to `end`, in the mirror of captured graphs (the native round's decodes
         are counted by commit, from what the round reports)."""
         if self.graphs is not None:
-            self.graphs.ran(tokens, outputs, end, self._device_greedy is not None)
+            self.graphs.ran(tokens, outputs, end, self.picks_on_device)
 
-    def replays(self, tokens: int, outputs: int, end: int) -> bool | None:
-        """Whether such a decode would replay a captured CUDA graph; None where graphs are not in play."""
+    def cold_verify_sizes(self, most: int, seq: int = 0) -> frozenset[int]:
+        """The verify sizes (drafts + 1, up to most + 1) of a round on `seq` whose batch would not
+        replay a captured CUDA graph now (CapturedGraphs.cold_verify_sizes); none where graphs are
+        not in play (a CPU)."""
         if self.graphs is None:
-            return None
-        return self.graphs.replays(tokens, outputs, end, self._device_greedy is not None)
+            return frozenset()
+        s = self._seq(seq)
+        return self.graphs.cold_verify_sizes(len(s.tokens), int(s.in_flight), most, self.picks_on_device)
 
     def decode_rows(self, rows: list[tuple[int, list[int], bool]]) -> list[int]:
         """One llama_decode of several sequences' tokens: (seq, tokens, logits for the last one)

@@ -44,28 +44,50 @@ class CapturedGraphs:
         self.n_cells = n_cells
         self.kept = graphs_kept() if kept is None else kept
         self._runs: OrderedDict[tuple[int, int, int, bool], int] = OrderedDict()
+        # (KV length, picked) -> the batch sizes with every row's logits that replay there: what a
+        # round's plan asks about (cold_verify_sizes) without a lookup per size
+        self._verify: dict[tuple[int, bool], set[int]] = {}
 
-    def _key(self, tokens: int, outputs: int, end: int, picked: bool) -> tuple[int, int, int, bool]:
-        """`end`: the stream's cells in use once the batch is in (its last position + 1)."""
-        n_kv = min(self.n_cells, max(KV_PAD, -(-end // KV_PAD) * KV_PAD))
-        return tokens, outputs, n_kv, picked
+    def n_kv(self, end: int) -> int:
+        """The KV length a batch attends over that fills the stream's cells up to `end`."""
+        return min(self.n_cells, max(KV_PAD, -(-end // KV_PAD) * KV_PAD))
 
     def ran(self, tokens: int, outputs: int, end: int, picked: bool) -> None:
         """One decode of this shape ran."""
-        key = self._key(tokens, outputs, end, picked)
-        self._runs[key] = self._runs.get(key, 0) + 1
+        key = (tokens, outputs, self.n_kv(end), picked)
+        runs = self._runs.get(key, 0) + 1
+        self._runs[key] = runs
         self._runs.move_to_end(key)
+        if runs == REPLAYED and tokens == outputs:
+            self._verify.setdefault((key[2], picked), set()).add(tokens)
         while len(self._runs) > self.kept:
-            self._runs.popitem(last=False)
+            (t, o, n_kv, p), old = self._runs.popitem(last=False)
+            if old >= REPLAYED and t == o:
+                self._verify[(n_kv, p)].discard(t)
 
     def replays(self, tokens: int, outputs: int, end: int, picked: bool) -> bool:
         """The next decode of this shape replays a captured graph."""
-        return self._runs.get(self._key(tokens, outputs, end, picked), 0) >= REPLAYED
+        return self._runs.get((tokens, outputs, self.n_kv(end), picked), 0) >= REPLAYED
+
+    def cold_verify_sizes(self, held: int, first: int, most: int, picked: bool) -> frozenset[int]:
+        """The verify sizes n = 2..most + 1 (drafts + 1) whose batch would not replay: with `held`
+        tokens in the stream and `first` (0 or 1) of them, `last`, already decoded in flight, the
+        batch holds n - first tokens, each with logits, and fills the cells up to held + n."""
+        cold: set[int] = set()
+        n = 2
+        while n <= most + 1:
+            n_kv = self.n_kv(held + n)
+            last = most + 1 if n_kv >= self.n_cells else min(most + 1, n_kv - held)  # sizes at this length
+            replay = self._verify.get((n_kv, picked), ())
+            cold.update(m for m in range(n, last + 1) if m - first not in replay)
+            n = last + 1
+        return frozenset(cold)
 
     def forget(self) -> None:
         """The pick was attached or detached: llama.cpp re-plans its scheduler, and on an H100 a
         verify size captured before ran at cold cost after it (8-13.6 ms against 2.6-3.4)."""
         self._runs.clear()
+        self._verify.clear()
 
     def runs(self) -> dict[tuple[int, int, int, bool], int]:
         """What was counted, oldest first: (tokens, outputs, KV length, picked) -> runs."""
