@@ -369,12 +369,7 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
         return Decision(Kind.MEASURE, 0, "measuring plain decoding")
     measured = _draft_measured(state)
     end = available if ends and available is not None and available <= state.k_max else None
-    best_k, best = _best(state, k_cap, plain, end) if measured else (0, plain)
-    if best_k + 1 in cold and not _best(state, best_k, plain, end, cold, lo=best_k)[0]:
-        # the table's best k does not pay at its cold price: the best that does (a size captured
-        # already, or plain). One that pays cold stays: a copy's long rounds pay the capture once
-        # and replay it from the third round on, where a captured shorter size would cap them
-        best_k, best = _best(state, k_cap, plain, end, cold)
+    best_k, best = _best(state, k_cap, plain, end, cold) if measured else (0, plain)
     off = None
     if measured:  # a drafter that is not hopeful takes every timing as it is: given_up would find this best k again
         off = given_up(state, k_cap) if state.hopeful else _off_for_good(state, k_cap, plain, best_k)
@@ -443,26 +438,39 @@ def _draft_measured(state: GovernorState) -> bool:
 
 
 def _best(state: GovernorState, k_cap: int, plain: float, end: int | None = None,
-          cold: frozenset[int] = frozenset(), lo: int = 1) -> tuple[int, float]:
+          cold: frozenset[int] = frozenset()) -> tuple[int, float]:
     """The k with the highest expected rate, and that rate (0 and plain when no k beats plain).
     `end`: the proposal's length when nothing follows it to copy. Then k drafts short of the
     end leave the rest (end - k - 1 drafts, since the round's own pick takes one) to a round of
     their own, and k is judged over both rounds: a copy ending 21 tokens on drafted 15, 3 and 1
     (1.5B, 2 threads: three rounds, 348, 145 and 133 ms measured) where one round of 21 was
-    priced at about 470 ms."""
-    best_k, best = 0, plain
+    priced at about 470 ms. `cold`: sizes priced at cold_factor. The table's best k stays if it
+    pays at its cold price: a copy's long rounds pay the capture once and replay it from the third
+    round on, where a captured shorter size would cap them. Else the best by cold prices (a size
+    captured already, or plain)."""
     reach = k_cap if end is None else max(k_cap, end)
     costs, gains = curve(state, reach + 1), _gains(state, reach)
-    if cold:
+    step = state.draft_step_s
+    best_k, best = _argmax(costs, gains, step, plain, end, 1, k_cap)
+    if best_k + 1 in cold:
         factor = cold_factor(state)
         costs = [t * factor if t is not None and n in cold else t for n, t in enumerate(costs, 1)]
-    for k in range(lo, k_cap + 1):
-        r = _rate_at(costs, gains, state.draft_step_s, k)
+        if not _argmax(costs, gains, step, plain, end, best_k, best_k)[0]:
+            best_k, best = _argmax(costs, gains, step, plain, end, 1, k_cap)
+    return best_k, best
+
+
+def _argmax(costs: list[float | None], gains: list[float], draft_step_s: float | None, plain: float,
+            end: int | None, lo: int, hi: int) -> tuple[int, float]:
+    """_best over k = lo..hi at these prices."""
+    best_k, best = 0, plain
+    for k in range(lo, hi + 1):
+        r = _rate_at(costs, gains, draft_step_s, k)
         if r is not None and end is not None and k < end and costs[end - k - 1] is not None:
             # the rest's round comes only if all k drafts are accepted (chance `held`), and then it
             # yields what the first end - 1 drafts would beyond the first k, the target's pick too
             held, rest = gains[k] - gains[k - 1], end - k - 1
-            step = state.draft_step_s or 0.0
+            step = draft_step_s or 0.0
             r = (gains[end - 1] + held) / (costs[k] + k * step + held * (costs[rest] + rest * step))
         if r is not None and r > best:
             best_k, best = k, r
