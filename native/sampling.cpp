@@ -292,9 +292,10 @@ public:
                      : std::max(1, std::min({VERIFY_LANES, openmp_threads(),
                                              static_cast<int>(rows.size())}))) {}
 
-    // Row i's distribution, with `history` the history before it; computes the next wave from i
-    // on when row i is past the current one. `out` is swapped with the wave's copy.
+    // Row i's distribution, with `history` the history before it: computed here with one lane,
+    // else taken from the wave, which is computed anew from i on when row i is past it.
     void take(size_t i, const std::vector<int32_t>& history, std::vector<float>& out) {
+        if (lanes_ == 1) return distribution(rows_[i], n_vocab_, history, p_, out);
         if (i < from_ || i >= from_ + dists_.size()) fill(i, history);
         out.swap(dists_[i - from_]);
     }
@@ -302,10 +303,10 @@ public:
 private:
     void fill(size_t i, const std::vector<int32_t>& history) {
         const int n = static_cast<int>(std::min<size_t>(lanes_, rows_.size() - i));
-        std::vector<std::vector<int32_t>> hist(n, history);
+        std::vector<std::vector<int32_t>> hist{history};
         for (int j = 1; j < n; ++j) {
-            hist[j] = hist[j - 1];
-            push_history(hist[j], drafts_[i + j - 1], p_);
+            hist.push_back(hist.back());
+            push_history(hist.back(), drafts_[i + j - 1], p_);
         }
         from_ = i;
         dists_.resize(n);
