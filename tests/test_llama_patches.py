@@ -205,3 +205,4 @@ def test_the_cuda_build_carries_the_patch():
     """setup.sh built the CUDA backend from the patched tree: the patches' switches are in the library."""
     library = _cuda_library().read_bytes()
     assert b"EDGERUN_CUDA_GRAPH_KEY_FIRST_NODE" in library and b"EDGERUN_CUDA_GRAPHS_KEPT" in library
+    assert b"EDGERUN_CUDA_GRAPH_KEY_ENDS" in library
