@@ -85,7 +85,7 @@ class CapturedGraphs:
 
     def forget(self) -> None:
         """The pick was attached or detached: llama.cpp re-plans its scheduler, and on an H100 a
-        verify size captured before ran at cold cost after it (8-13.6 ms against 2.6-3.4)."""
+        verify size captured before ran at cold cost after it (8.1-13.6 ms against a price of 2.3-3.0)."""
         self._runs.clear()
         self._verify.clear()
 
