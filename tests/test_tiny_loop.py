@@ -269,3 +269,44 @@ def test_a_reply_ends_where_the_context_ends(tiny_model):
         steps = [s for s in r.stream(prompt, GREEDY, max_tokens=1000) if isinstance(s, Step)]
         assert steps[-1].finish == "length" and len(prompt) + len(steps) < r.ctx.n_ctx  # llama.cpp pads to 256
         assert cache_holds(r.ctx) <= r.ctx.n_ctx
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, HOT], ids=["greedy", "sampled"])
+def test_plain_steps_teach_the_ngram_classes_what_their_proposals_would_have_done(tiny_model, sampling):
+    """A governed n-gram reply: every round with a proposal teaches its match class, a drafted
+    round its verdict and a plain step whether it made the proposal's first token. Replaying
+    the lookup over the reply's tokens and folding those verdicts gives the classes the
+    runner ends with; the reply has plain steps with a proposal, right and wrong ones."""
+    from edgerun.decode.ngram import NgramDrafter
+
+    with Runner(tiny_model, ENGINE, ngram=True) as r:
+        start = r.governors.get("ngram")
+        prompt = r.chat_tokens(PROMPT)
+        records, _ = _reply(r, sampling=sampling, max_tokens=200)
+        end = r.governors.get("ngram")
+        replay = NgramDrafter(is_stop=r.model.is_eog)
+    replay.reset(prompt)
+    produced, state, verdicts = [], start, []
+    for rec in records:
+        if isinstance(rec, Step):
+            produced.append(rec.token)
+        elif isinstance(rec, Round):
+            # every round looked up a proposal (the drafter follows a copy from one to the next)
+            made = rec.accepted + 1 if rec.drafted else 1
+            held = len(prompt) + len(produced) - made  # the context the round was planned on
+            replay.extend([*prompt, *produced][len(replay.tokens):held])
+            proposal = replay.lookup(governor.K_MAX_NGRAM)
+            if rec.drafter != "ngram":
+                assert not proposal.tokens
+                continue
+            if rec.drafted:
+                got = (rec.accepted, int(rec.accepted < rec.drafted))
+            else:
+                right = proposal.tokens[0] == produced[-1]
+                got = (int(right), int(not right))
+                verdicts.append(right)
+            state = replace(state, by_match=governor._fold_match(state, proposal.match, *got))
+    assert True in verdicts and False in verdicts, verdicts
+    assert len(end.by_match) == len(state.by_match)
+    for have, want in zip(end.by_match, state.by_match):
+        assert have == (want[0], pytest.approx(want[1]), pytest.approx(want[2]), want[3])

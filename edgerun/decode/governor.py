@@ -319,8 +319,24 @@ def match_prior(bucket: int) -> float:
     return PRIOR_ALPHA if bucket == 0 else max(PRIOR_ALPHA, (m + 1) / (m + 2))
 
 
-def _prior_counts(bucket: int) -> tuple[float, float]:
+def _logit(p: float) -> float:
+    p = min(1 - 1e-9, max(1e-9, p))
+    return math.log(p / (1 - p))
+
+
+def _prior_counts(bucket: int, learned: dict[int, tuple[float, float]]) -> tuple[float, float]:
+    """A class's prior as counts worth MATCH_PRIOR_TRIALS decisions: match_prior, lowered in
+    log-odds by as much as the nearest class with rounds (`learned`: class -> counts) fell short
+    of its own. How often a match of any length goes on is mostly the text's: in new code a
+    4-token match is as much chance as the 2-token ones that keep failing, while in an edit the
+    short matches hold too. Never raised: a class that did well vouches for longer ones in
+    for_match as it is."""
     prior = match_prior(bucket)
+    if learned:
+        near = min(learned, key=lambda b: (abs(b - bucket), b))
+        short = _logit(_mean(learned[near])) - _logit(match_prior(near))
+        if short < 0:
+            prior = 1 / (1 + math.exp(-(_logit(prior) + short)))
     return prior * MATCH_PRIOR_TRIALS, (1 - prior) * MATCH_PRIOR_TRIALS
 
 
@@ -340,7 +356,7 @@ def for_match(state: GovernorState, match: int | None) -> GovernorState:
         # a class without rounds yet: a longer match is at least as likely right as a shorter
         # one, so an exact copy that held for 8 tokens vouches for the same copy at 16 before a
         # round of 16 has run (a short reply has few rounds to learn each class in)
-        counts = max([_prior_counts(bucket), *(c for b, c in learned.items() if b < bucket)], key=_mean)
+        counts = max([_prior_counts(bucket, learned), *(c for b, c in learned.items() if b < bucket)], key=_mean)
     return replace(state, alpha=_mean(counts), counts=counts)
 
 
@@ -384,7 +400,8 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
         return Decision(Kind.MEASURE, 0, "timing a plain step")
     if not measured:
         return Decision(Kind.MEASURE, min(2, k_cap), "measuring the draft")
-    if best_k == 0 and state.plain_rounds >= state.probe_every:
+    if best_k == 0 and match is None and state.plain_rounds >= state.probe_every:
+        # (a proposal with a match class learns from the plain steps taken instead: update's shadow)
         return Decision(Kind.PROBE, 1, f"re-checking the draft (plain wins: {plain:.1f} tok/s)")
     if best_k == 0:
         return Decision(Kind.PLAIN, 0, f"draft off: plain {plain:.1f} tok/s beats any k (acceptance {state.alpha:.0%})")
@@ -526,11 +543,17 @@ def _cost_ema(old: float | None, new: float) -> float:
 
 
 def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
-           steps: int = 1, match: int | None = None, cold: bool = False) -> GovernorState:
+           steps: int = 1, match: int | None = None, cold: bool = False,
+           shadow: bool | None = None) -> GovernorState:
     """Fold one round's measurements into the state. `steps`: plain tokens the round decoded
     (verify_s is then the time of one of them); `match`: the n-gram proposal's match length;
     `cold`: the verify batch had no captured CUDA graph. A cold round's time teaches cold_factor
-    only: the table, its bias and the sizes seen in the reply are about captured batches."""
+    only: the table, its bias and the sizes seen in the reply are about captured batches.
+    `shadow`: for a plain step taken instead of a proposal (match), whether the step made the
+    proposal's first token. That is the verdict a round of one draft would have had, at no cost
+    (at T > 0 too: a draft that is certain is accepted with the chance the target samples it),
+    and it teaches the proposal's match class as that round would; so a class drafting nothing
+    goes on learning, and the governor needs no paid re-check (a PROBE) for it."""
     table = dict(state.verify_s)
     n = drafted + 1
     ratios, cold_ratios, seen = state.verify_ratios, state.cold_ratios, state.verify_seen
@@ -546,6 +569,8 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
     by_match = state.by_match
     if drafted > 0 and match is not None:
         by_match = _fold_match(state, match, accepted, 0 if accepted == drafted else 1)
+    elif match is not None and shadow is not None:
+        by_match = _fold_match(state, match, int(shadow), int(not shadow))
     alpha, accepted_ema, trials_ema = state.alpha, state.accepted_ema, state.trials_ema
     draft_step = state.draft_step_s
     if drafted > 0:
@@ -580,7 +605,7 @@ def _fold_match(state: GovernorState, match: int, accepted: int, failures: int) 
     rejection to a prior worth two: the class is off after a round or two."""
     bucket = match_bucket(match)
     rows = {b: (a, r, n) for b, a, r, n in state.by_match}
-    a, r, n = rows.get(bucket, (*_prior_counts(bucket), 0))
+    a, r, n = rows.get(bucket) or (*_prior_counts(bucket, {b: (a, r) for b, (a, r, _) in rows.items()}), 0)
     keep = 1 - EMA
     rows[bucket] = (keep * a + accepted, keep * r + failures, n + 1)
     return tuple((b, *row) for b, row in sorted(rows.items()))
