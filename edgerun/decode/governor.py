@@ -400,8 +400,7 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
         return Decision(Kind.MEASURE, 0, "timing a plain step")
     if not measured:
         return Decision(Kind.MEASURE, min(2, k_cap), "measuring the draft")
-    if best_k == 0 and match is None and state.plain_rounds >= state.probe_every:
-        # (a proposal with a match class learns from the plain steps taken instead: update's shadow)
+    if best_k == 0 and state.plain_rounds >= state.probe_every:
         return Decision(Kind.PROBE, 1, f"re-checking the draft (plain wins: {plain:.1f} tok/s)")
     if best_k == 0:
         return Decision(Kind.PLAIN, 0, f"draft off: plain {plain:.1f} tok/s beats any k (acceptance {state.alpha:.0%})")
@@ -543,17 +542,11 @@ def _cost_ema(old: float | None, new: float) -> float:
 
 
 def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
-           steps: int = 1, match: int | None = None, cold: bool = False,
-           shadow: bool | None = None) -> GovernorState:
+           steps: int = 1, match: int | None = None, cold: bool = False) -> GovernorState:
     """Fold one round's measurements into the state. `steps`: plain tokens the round decoded
     (verify_s is then the time of one of them); `match`: the n-gram proposal's match length;
     `cold`: the verify batch had no captured CUDA graph. A cold round's time teaches cold_factor
-    only: the table, its bias and the sizes seen in the reply are about captured batches.
-    `shadow`: for a plain step taken instead of a proposal (match), whether the step made the
-    proposal's first token. That is the verdict a round of one draft would have had, at no cost
-    (at T > 0 too: a draft that is certain is accepted with the chance the target samples it),
-    and it teaches the proposal's match class as that round would; so a class drafting nothing
-    goes on learning, and the governor needs no paid re-check (a PROBE) for it."""
+    only: the table, its bias and the sizes seen in the reply are about captured batches."""
     table = dict(state.verify_s)
     n = drafted + 1
     ratios, cold_ratios, seen = state.verify_ratios, state.cold_ratios, state.verify_seen
@@ -569,8 +562,6 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
     by_match = state.by_match
     if drafted > 0 and match is not None:
         by_match = _fold_match(state, match, accepted, 0 if accepted == drafted else 1)
-    elif match is not None and shadow is not None:
-        by_match = _fold_match(state, match, int(shadow), int(not shadow))
     alpha, accepted_ema, trials_ema = state.alpha, state.accepted_ema, state.trials_ema
     draft_step = state.draft_step_s
     if drafted > 0:
