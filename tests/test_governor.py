@@ -768,8 +768,8 @@ def test_a_class_without_rounds_starts_where_the_nearest_class_says_the_text_goe
     costs a first 4-token match drafts 3 in new code where it drafts 15 in an edit, and 8- and
     16-token matches 15 against 31. Its first round folds into that same start."""
     new, edit = one_draft_rounds("+--" * 7), one_draft_rounds("-+++" * 5)
-    low = _mean(new.by_match[0][1:3])
-    assert low < gov.match_prior(0) < _mean(edit.by_match[0][1:3])
+    low = gov._mean(new.by_match[0][1:3])
+    assert low < gov.match_prior(0) < gov._mean(edit.by_match[0][1:3])
     assert gov.for_match(edit, 4).alpha == pytest.approx(gov.match_prior(1))
     logit = lambda p: np.log(p / (1 - p))
     lowered = 1 / (1 + np.exp(-(logit(gov.match_prior(1)) + logit(low) - logit(gov.match_prior(0)))))
@@ -781,7 +781,3 @@ def test_a_class_without_rounds_starts_where_the_nearest_class_says_the_text_goe
     keep = 1 - gov.EMA
     assert first.by_match[1] == (1, pytest.approx(keep * lowered * gov.MATCH_PRIOR_TRIALS + 1),
                                  pytest.approx(keep * (1 - lowered) * gov.MATCH_PRIOR_TRIALS), 1)
-
-
-def _mean(counts) -> float:
-    return counts[0] / (counts[0] + counts[1])

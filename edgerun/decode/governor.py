@@ -596,7 +596,7 @@ def _fold_match(state: GovernorState, match: int, accepted: int, failures: int) 
     rejection to a prior worth two: the class is off after a round or two."""
     bucket = match_bucket(match)
     rows = {b: (a, r, n) for b, a, r, n in state.by_match}
-    a, r, n = rows.get(bucket) or (*_prior_counts(bucket, {b: (a, r) for b, (a, r, _) in rows.items()}), 0)
+    a, r, n = rows.get(bucket) or (*_prior_counts(bucket, {b: row[:2] for b, row in rows.items()}), 0)
     keep = 1 - EMA
     rows[bucket] = (keep * a + accepted, keep * r + failures, n + 1)
     return tuple((b, *row) for b, row in sorted(rows.items()))
