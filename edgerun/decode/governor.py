@@ -324,6 +324,11 @@ def _logit(p: float) -> float:
     return math.log(p / (1 - p))
 
 
+def _learned(by_match: tuple[tuple[int, float, float, int], ...]) -> dict[int, tuple[float, float]]:
+    """The classes with rounds and their counts: class -> (accepted, rejected)."""
+    return {b: (accepted, rejected) for b, accepted, rejected, _ in by_match}
+
+
 def _prior_counts(bucket: int, learned: dict[int, tuple[float, float]]) -> tuple[float, float]:
     """A class's prior as counts worth MATCH_PRIOR_TRIALS decisions: match_prior, lowered in
     log-odds by as much as the nearest class with rounds (`learned`: class -> counts) fell short
@@ -350,7 +355,7 @@ def for_match(state: GovernorState, match: int | None) -> GovernorState:
     if match is None:
         return state
     bucket = match_bucket(match)
-    learned = {b: (accepted, rejected) for b, accepted, rejected, _ in state.by_match}
+    learned = _learned(state.by_match)
     counts = learned.get(bucket)
     if counts is None:
         # a class without rounds yet: a longer match is at least as likely right as a shorter
@@ -596,7 +601,7 @@ def _fold_match(state: GovernorState, match: int, accepted: int, failures: int) 
     rejection to a prior worth two: the class is off after a round or two."""
     bucket = match_bucket(match)
     rows = {b: (a, r, n) for b, a, r, n in state.by_match}
-    a, r, n = rows.get(bucket) or (*_prior_counts(bucket, {b: row[:2] for b, row in rows.items()}), 0)
+    a, r, n = rows.get(bucket) or (*_prior_counts(bucket, _learned(state.by_match)), 0)
     keep = 1 - EMA
     rows[bucket] = (keep * a + accepted, keep * r + failures, n + 1)
     return tuple((b, *row) for b, row in sorted(rows.items()))
