@@ -781,3 +781,35 @@ def test_a_class_without_rounds_starts_where_the_nearest_class_says_the_text_goe
     keep = 1 - gov.EMA
     assert first.by_match[1] == (1, pytest.approx(keep * lowered * gov.MATCH_PRIOR_TRIALS + 1),
                                  pytest.approx(keep * (1 - lowered) * gov.MATCH_PRIOR_TRIALS), 1)
+
+
+def test_a_losing_match_class_is_never_rechecked_by_a_paid_round():
+    """A model draft that lost is re-checked by a one-draft round after a plain stretch; an
+    n-gram class is not: it keeps its own counts, a chance match's re-check costs a batch of two
+    for a token that comes one time in three, and one that holds made the class draft long."""
+    lose = one_draft_rounds("---")
+    for _ in range(300):
+        lose = update(lose, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=measured_2t(1))
+    assert lose.plain_rounds >= lose.probe_every
+    assert choose(lose, 3, match=2).kind is Kind.PLAIN
+    assert choose(replace(lose, alpha=0.1)).kind is Kind.PROBE
+
+
+def test_a_class_drafts_at_most_twice_past_the_longest_run_its_rounds_held_in_the_reply():
+    """On a GPU's flat costs a first 8-token match drafts 40 (all there is). A round of its class
+    that held 3 caps the next of the class at 7, held in full or not, where its counts alone
+    would draft 40 again; a class without rounds in the reply is not capped (a copy in progress
+    reaches it as its match grows), and a new reply lifts the cap."""
+    s = update(runner_state(gpu_flat), k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=gpu_flat(1))
+    assert choose(s, 40, match=8).k == 40
+    failed = update(s, k=40, drafted=40, accepted=3, draft_s=0.0, verify_s=gpu_flat(41), match=8)
+    copied = update(s, k=3, drafted=3, accepted=3, draft_s=0.0, verify_s=gpu_flat(4), match=8)
+    for after in (failed, copied):
+        assert after.held == ((gov.match_bucket(8), 3),)
+        assert choose(after, 40, match=12).k == 7
+        assert choose(replace(after, held=()), 40, match=12).k == 40
+        assert choose(after, 40, match=16).k == 40
+        assert gov.new_reply(after).held == () and choose(gov.new_reply(after), 40, match=12).k == 40
+    # a class whose rounds held nothing drafts REACH_MIN at most
+    none = update(s, k=40, drafted=40, accepted=0, draft_s=0.0, verify_s=gpu_flat(41), match=8)
+    assert choose(none, 40, match=8).k <= gov.REACH_MIN

@@ -19,6 +19,7 @@ EMA = 0.15           # weight of the newest measurement
 PRIOR_ALPHA = 0.6    # acceptance assumed before any draft was verified
 PRIOR_TRIALS = 1.0   # ... worth this many accept/reject decisions
 MATCH_PRIOR_TRIALS = 2.0  # a match class's prior acceptance is worth this many decisions (see predicted_tokens)
+REACH_MIN = 3        # an n-gram class drafts at least this many past its longest held run in the reply (see for_match)
 PROBE_FIRST = 8      # plain rounds before re-checking a draft that lost
 PROBE_MAX = 256      # ... growing up to this while it keeps losing
 PROBE_COST_MAX = 0.02  # a re-check may cost at most this share of plain decoding time in draft catch-up
@@ -36,7 +37,7 @@ class Kind(enum.Enum):
     FIXED = "fixed"        # the user fixed k
     MEASURE = "measure"    # k chosen to measure a cost (plain decoding, the draft, a longer k)
     DRAFT = "draft"        # the k with the best expected rate
-    PROBE = "probe"        # one draft to re-check a losing draft's acceptance
+    PROBE = "probe"        # one draft to re-check a losing model draft's acceptance
     PLAIN = "plain"        # plain wins for now; a re-check comes later
     HOPELESS = "hopeless"  # given up: even 100% acceptance cannot beat plain
     COSTLY = "costly"      # given up: a re-check's catch-up would cost over PROBE_COST_MAX
@@ -92,6 +93,8 @@ class GovernorState:
     verify_ratios: tuple[float, ...] = ()
     # ... and the same of the latest rounds whose batch had no captured CUDA graph (see cold_factor)
     cold_ratios: tuple[float, ...] = ()
+    # (match bucket, most drafts one round of the class accepted) in this reply (see for_match)
+    held: tuple[tuple[int, int], ...] = ()
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -351,18 +354,28 @@ def _mean(counts: tuple[float, float]) -> float:
 
 def for_match(state: GovernorState, match: int | None) -> GovernorState:
     """The state with the acceptance learned for proposals of this match length (the class's
-    prior while it has no rounds yet); the state as it is when match is None."""
+    prior while it has no rounds yet); the state as it is when match is None.
+    A class whose rounds in this reply held at most L drafts in a row drafts at most 2L + 1
+    (REACH_MIN at least) next. Its counts price a long draft by a constant chance per token,
+    and a few rounds that held a token or three say nothing of the tenth: in new code one-draft
+    rounds that held on 2-token matches then drafted 15 with none held, and a chance 3-token
+    run vouched for 28 with 2 held. A copy in progress loses little: its match grows past the
+    class as it goes, and each class it reaches starts uncapped. A new reply lifts the caps."""
     if match is None:
         return state
     bucket = match_bucket(match)
     learned = _learned(state.by_match)
     counts = learned.get(bucket)
+    k_max = state.k_max
     if counts is None:
         # a class without rounds yet: a longer match is at least as likely right as a shorter
         # one, so an exact copy that held for 8 tokens vouches for the same copy at 16 before a
         # round of 16 has run (a short reply has few rounds to learn each class in)
         counts = max([_prior_counts(bucket, learned), *(c for b, c in learned.items() if b < bucket)], key=_mean)
-    return replace(state, alpha=_mean(counts), counts=counts)
+    held = dict(state.held).get(bucket)
+    if held is not None:
+        k_max = min(k_max, max(REACH_MIN, 2 * held + 1))
+    return replace(state, alpha=_mean(counts), counts=counts, k_max=k_max)
 
 
 def rate(state: GovernorState, k: int) -> float | None:
@@ -405,7 +418,11 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
         return Decision(Kind.MEASURE, 0, "timing a plain step")
     if not measured:
         return Decision(Kind.MEASURE, min(2, k_cap), "measuring the draft")
-    if best_k == 0 and state.plain_rounds >= state.probe_every:
+    if best_k == 0 and match is None and state.plain_rounds >= state.probe_every:
+        # never an n-gram proposal: each match class has its own counts and prior, and a re-check
+        # on a chance 2-3 token match costs a batch of two (about 1.8 plain steps on an H100) for
+        # a token that comes one time in three; when it holds, the class's counts took it as
+        # evidence for long drafts (see for_match)
         return Decision(Kind.PROBE, 1, f"re-checking the draft (plain wins: {plain:.1f} tok/s)")
     if best_k == 0:
         return Decision(Kind.PLAIN, 0, f"draft off: plain {plain:.1f} tok/s beats any k (acceptance {state.alpha:.0%})")
@@ -564,9 +581,12 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
     if not (cold and drafted > 0):
         table[n] = _cost_ema(table.get(n), verify_s)
         seen = seen if n in seen else tuple(sorted((*seen, n)))
-    by_match = state.by_match
+    by_match, held = state.by_match, state.held
     if drafted > 0 and match is not None:
         by_match = _fold_match(state, match, accepted, 0 if accepted == drafted else 1)
+        most = dict(held)
+        most[match_bucket(match)] = max(most.get(match_bucket(match), 0), accepted)
+        held = tuple(sorted(most.items()))
     alpha, accepted_ema, trials_ema = state.alpha, state.accepted_ema, state.trials_ema
     draft_step = state.draft_step_s
     if drafted > 0:
@@ -589,7 +609,7 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
         probe_every = min(PROBE_MAX, state.probe_every * 2) if losing else state.probe_every
     return replace(state, alpha=alpha, accepted_ema=accepted_ema, trials_ema=trials_ema, draft_step_s=draft_step,
                    drafted_rounds=drafted_rounds, plain_from_load=state.plain_from_load and drafted > 0,
-                   verify_s=tuple(sorted(table.items())), verify_seen=seen, by_match=by_match, verify_ratios=ratios,
+                   verify_s=tuple(sorted(table.items())), verify_seen=seen, by_match=by_match, held=held, verify_ratios=ratios,
                    cold_ratios=cold_ratios, plain_rounds=plain_rounds, probe_every=probe_every)
 
 
