@@ -813,3 +813,28 @@ def test_a_class_drafts_at_most_twice_past_the_longest_run_its_rounds_held_in_th
     # a class whose rounds held nothing drafts REACH_MIN at most
     none = update(s, k=40, drafted=40, accepted=0, draft_s=0.0, verify_s=gpu_flat(41), match=8)
     assert choose(none, 40, match=8).k <= gov.REACH_MIN
+
+
+def test_plain_steps_that_made_their_proposals_first_token_open_a_class_that_is_off():
+    """A class learned off in an earlier reply (new code's 2-token matches) stays off however
+    long the plain stretch; six plain steps in a row that each made their proposal's first token
+    (a copy going on) price it as a round that held six more, capped as that round would cap it.
+    A miss or a drafted round ends the run, and a new reply starts without one."""
+    s = gov.new_reply(one_draft_rounds("---"))
+    a, r = s.by_match[0][1:3]
+    for _ in range(gov.STREAK_OPEN - 1):
+        assert choose(s, 40, match=2).kind is Kind.PLAIN
+        s = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=measured_2t(1), shadow=True)
+    assert choose(s, 40, match=2).kind is Kind.PLAIN
+    s = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=measured_2t(1), shadow=True)
+    assert s.streak == gov.STREAK_OPEN == 6
+    opened = gov.for_match(s, 2)
+    assert opened.counts == (pytest.approx(a + 6), pytest.approx(r)) and opened.k_max == 13
+    assert choose(s, 40, match=2).kind is Kind.DRAFT
+    # the class's own cap in the reply stands: the run neither lifts it nor cuts one that held more
+    assert gov.for_match(replace(s, held=((0, 1),)), 2).k_max == 3
+    assert gov.for_match(replace(s, held=((0, 9),)), 2).k_max == 19
+    missed = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=measured_2t(1), shadow=False)
+    drafted = update(s, k=3, drafted=3, accepted=3, draft_s=0.0, verify_s=measured_2t(4), match=2)
+    assert missed.streak == drafted.streak == gov.new_reply(s).streak == 0
+    assert choose(missed, 40, match=2).kind is Kind.PLAIN

@@ -20,6 +20,7 @@ PRIOR_ALPHA = 0.6    # acceptance assumed before any draft was verified
 PRIOR_TRIALS = 1.0   # ... worth this many accept/reject decisions
 MATCH_PRIOR_TRIALS = 2.0  # a match class's prior acceptance is worth this many decisions (see predicted_tokens)
 REACH_MIN = 3        # an n-gram class drafts at least this many past its longest held run in the reply (see for_match)
+STREAK_OPEN = 6      # plain steps in a row that made their n-gram proposal's first token: a copy going on (see for_match)
 PROBE_FIRST = 8      # plain rounds before re-checking a draft that lost
 PROBE_MAX = 256      # ... growing up to this while it keeps losing
 PROBE_COST_MAX = 0.02  # a re-check may cost at most this share of plain decoding time in draft catch-up
@@ -95,6 +96,7 @@ class GovernorState:
     cold_ratios: tuple[float, ...] = ()
     # (match bucket, most drafts one round of the class accepted) in this reply (see for_match)
     held: tuple[tuple[int, int], ...] = ()
+    streak: int = 0  # the latest plain steps in a row that made their n-gram proposal's first token
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -360,7 +362,13 @@ def for_match(state: GovernorState, match: int | None) -> GovernorState:
     and a few rounds that held a token or three say nothing of the tenth: in new code one-draft
     rounds that held on 2-token matches then drafted 15 with none held, and a chance 3-token
     run vouched for 28 with 2 held. A copy in progress loses little: its match grows past the
-    class as it goes, and each class it reaches starts uncapped. A new reply lifts the caps."""
+    class as it goes, and each class it reaches starts uncapped. A new reply lifts the caps.
+    After STREAK_OPEN plain steps or more in a row that each made their proposal's first token
+    (`streak`), the class is priced as if a round had held that many more, and capped as that
+    round would cap it (never past the class's own cap): a copy is going on now, whatever the class learned from other text. No
+    paid re-check opens a class that is off (see choose); this does, and only where the text
+    says so. In a chat's second turn that edits the model's own code, the classes learned off in
+    the first turn's new code would otherwise leave a copy undrafted until its match reached 32."""
     if match is None:
         return state
     bucket = match_bucket(match)
@@ -375,6 +383,9 @@ def for_match(state: GovernorState, match: int | None) -> GovernorState:
     held = dict(state.held).get(bucket)
     if held is not None:
         k_max = min(k_max, max(REACH_MIN, 2 * held + 1))
+    if state.streak >= STREAK_OPEN:
+        counts = (counts[0] + state.streak, counts[1])
+        k_max = min(k_max, 2 * max(state.streak, held or 0) + 1)
     return replace(state, alpha=_mean(counts), counts=counts, k_max=k_max)
 
 
@@ -564,11 +575,14 @@ def _cost_ema(old: float | None, new: float) -> float:
 
 
 def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
-           steps: int = 1, match: int | None = None, cold: bool = False) -> GovernorState:
+           steps: int = 1, match: int | None = None, cold: bool = False,
+           shadow: bool | None = None) -> GovernorState:
     """Fold one round's measurements into the state. `steps`: plain tokens the round decoded
     (verify_s is then the time of one of them); `match`: the n-gram proposal's match length;
     `cold`: the verify batch had no captured CUDA graph. A cold round's time teaches cold_factor
-    only: the table, its bias and the sizes seen in the reply are about captured batches."""
+    only: the table, its bias and the sizes seen in the reply are about captured batches.
+    `shadow`: for a plain step taken instead of an n-gram proposal, whether the step made the
+    proposal's first token (the streak of for_match; anything else ends it)."""
     table = dict(state.verify_s)
     n = drafted + 1
     ratios, cold_ratios, seen = state.verify_ratios, state.cold_ratios, state.verify_seen
@@ -609,7 +623,8 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
         probe_every = min(PROBE_MAX, state.probe_every * 2) if losing else state.probe_every
     return replace(state, alpha=alpha, accepted_ema=accepted_ema, trials_ema=trials_ema, draft_step_s=draft_step,
                    drafted_rounds=drafted_rounds, plain_from_load=state.plain_from_load and drafted > 0,
-                   verify_s=tuple(sorted(table.items())), verify_seen=seen, by_match=by_match, held=held, verify_ratios=ratios,
+                   verify_s=tuple(sorted(table.items())), verify_seen=seen, by_match=by_match, held=held,
+                   streak=state.streak + 1 if shadow and drafted == 0 else 0, verify_ratios=ratios,
                    cold_ratios=cold_ratios, plain_rounds=plain_rounds, probe_every=probe_every)
 
 
