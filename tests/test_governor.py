@@ -818,8 +818,9 @@ def test_a_class_drafts_at_most_twice_past_the_longest_run_its_rounds_held_in_th
 def test_plain_steps_that_made_their_proposals_first_token_open_a_class_that_is_off():
     """A class learned off in an earlier reply (new code's 2-token matches) stays off however
     long the plain stretch; six plain steps in a row that each made their proposal's first token
-    (a copy going on) price it as a round that held six more, capped as that round would cap it.
-    A miss or a drafted round ends the run, and a new reply starts without one."""
+    (a copy going on) price it as a round that held six more, capped as that round would cap it;
+    a class that drafts without the run is left as it is. A miss or a drafted round ends the run,
+    and a new reply starts without one."""
     s = gov.new_reply(one_draft_rounds("---"))
     a, r = s.by_match[0][1:3]
     for _ in range(gov.STREAK_OPEN - 1):
@@ -838,3 +839,5 @@ def test_plain_steps_that_made_their_proposals_first_token_open_a_class_that_is_
     drafted = update(s, k=3, drafted=3, accepted=3, draft_s=0.0, verify_s=measured_2t(4), match=2)
     assert missed.streak == drafted.streak == gov.new_reply(s).streak == 0
     assert choose(missed, 40, match=2).kind is Kind.PLAIN
+    # a class that drafts on its own drafts as it would: the run neither caps nor raises it
+    assert choose(s, 40, match=4) == choose(replace(s, streak=0), 40, match=4) and choose(s, 40, match=4).k > 0

@@ -404,6 +404,12 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
     all there is to copy (the earlier text, or the reply's budget, ends after it), so drafts
     left out of this round cost a round of their own (see _best); `cold`: verify batch sizes
     (drafts + 1) whose CUDA graph is not captured for this round, priced at cold_factor."""
+    if match is not None and state.streak >= STREAK_OPEN:
+        # the run of plain steps that made their proposals' first token opens a class that is off,
+        # and changes nothing else (see for_match)
+        alone = choose(replace(state, streak=0), available, lag=lag, horizon=horizon, match=match, ends=ends, cold=cold)
+        if alone.kind is not Kind.PLAIN:
+            return alone
     state = for_match(state, match)
     k_cap = state.k_max if available is None else min(state.k_max, available)
     k_cap = min(k_cap, explore_cap(state))
