@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import sys
 from dataclasses import replace
@@ -122,6 +123,7 @@ def replay(g, prices: Prices, prompt: list[int], reply: list[int], eog: set[int]
     drafter = NgramDrafter(is_stop=lambda t: t in eog)
     drafter.reset(prompt)
     pos, spent, rounds, accepted, drafted, runs = 1, 0.0, 0, 0, 0, {}
+    shadows = "shadow" in inspect.signature(g.update).parameters
     while pos < len(reply):
         drafter.extend([reply[pos - 1]])
         proposal = drafter.lookup(g.K_MAX_NGRAM)
@@ -141,7 +143,9 @@ def replay(g, prices: Prices, prompt: list[int], reply: list[int], eog: set[int]
             pos, spent = pos + held + 1, spent + cost
             rounds, accepted, drafted = rounds + 1, accepted + held, drafted + k
         else:
-            state = g.update(state, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=prices.plain)
+            # a plain step says whether it made the proposal's first token (to governors that ask)
+            told = {"shadow": proposal.tokens[0] == reply[pos]} if proposal.tokens and shadows else {}
+            state = g.update(state, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=prices.plain, **told)
             pos, spent = pos + 1, spent + prices.plain
     return (len(reply) - 1) * prices.plain / spent, rounds, accepted, drafted, state
 
