@@ -19,7 +19,7 @@ EMA = 0.15           # weight of the newest measurement
 PRIOR_ALPHA = 0.6    # acceptance assumed before any draft was verified
 PRIOR_TRIALS = 1.0   # ... worth this many accept/reject decisions
 MATCH_PRIOR_TRIALS = 2.0  # a match class's prior acceptance is worth this many decisions (see predicted_tokens)
-REACH_MIN = 3        # an n-gram class drafts at least this many past its longest held run in the reply (see for_match)
+REACH_MIN = 3        # the fewest drafts a class's reach in the reply allows (see for_match)
 STREAK_OPEN = 6      # plain steps in a row that made their n-gram proposal's first token: a copy going on (see for_match)
 PROBE_FIRST = 8      # plain rounds before re-checking a draft that lost
 PROBE_MAX = 256      # ... growing up to this while it keeps losing
@@ -39,7 +39,7 @@ class Kind(enum.Enum):
     MEASURE = "measure"    # k chosen to measure a cost (plain decoding, the draft, a longer k)
     DRAFT = "draft"        # the k with the best expected rate
     PROBE = "probe"        # one draft to re-check a losing model draft's acceptance
-    PLAIN = "plain"        # plain wins for now; a re-check comes later
+    PLAIN = "plain"        # plain wins for now (a model draft is re-checked later)
     HOPELESS = "hopeless"  # given up: even 100% acceptance cannot beat plain
     COSTLY = "costly"      # given up: a re-check's catch-up would cost over PROBE_COST_MAX
 
@@ -365,10 +365,11 @@ def for_match(state: GovernorState, match: int | None) -> GovernorState:
     class as it goes, and each class it reaches starts uncapped. A new reply lifts the caps.
     After STREAK_OPEN plain steps or more in a row that each made their proposal's first token
     (`streak`), the class is priced as if a round had held that many more, and capped as that
-    round would cap it (never past the class's own cap): a copy is going on now, whatever the class learned from other text. No
-    paid re-check opens a class that is off (see choose); this does, and only where the text
-    says so. In a chat's second turn that edits the model's own code, the classes learned off in
-    the first turn's new code would otherwise leave a copy undrafted until its match reached 32."""
+    round would cap it (never past the class's own cap): a copy is going on now, whatever the
+    class learned from other text. No paid re-check opens a class that is off; this does, and
+    choose takes it only where the class drafts nothing without it. In a chat's second turn that
+    edits the model's own code, the classes learned off in the first turn's new code would
+    otherwise leave a copy undrafted until its match reached a class without rounds."""
     if match is None:
         return state
     bucket = match_bucket(match)
