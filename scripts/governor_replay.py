@@ -32,14 +32,10 @@ from edgerun.decode import governor
 from edgerun.decode.ngram import NgramDrafter
 
 # the price tables: verify of n tokens, ms
-# the 1.5B Q4_K_M on the 2-core CPU, 2 threads (tests/test_governor.py MEASURED_2T): rounds cost it
-CPU_2T = {1: 73, 2: 102, 3: 126, 4: 109, 5: 140, 6: 165, 7: 195, 8: 200, 9: 230, 10: 239, 11: 290,
-          12: 269, 13: 282, 14: 293, 15: 313, 16: 243, 17: 294, 18: 316, 19: 336, 20: 328, 21: 355,
-          22: 378, 23: 394, 24: 381, 25: 401, 26: 426, 27: 444, 28: 435, 29: 476, 30: 482, 31: 497,
-          32: 431, 33: 496, 34: 501, 35: 512, 36: 508, 37: 537, 38: 573, 39: 581, 40: 615, 41: 582,
-          42: 602, 43: 622, 44: 628, 45: 642, 46: 661, 47: 676, 48: 603, 49: 650, 50: 670, 51: 691,
-          52: 687, 53: 718, 54: 743, 55: 748, 56: 737, 57: 789, 58: 792, 59: 798, 60: 805, 61: 818,
-          62: 842, 63: 857, 64: 782, 65: 824}
+# the 1.5B Q4_K_M on the 2-core CPU, 2 threads: the governor's tests' table; rounds cost it
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_governor import MEASURED_2T as CPU_2T  # noqa: E402
+
 # the same model on one H100 as the runner timed it at load; in a reply a round cost about 1.5x
 # the governor's curve through these, a batch size's first two runs (no CUDA graph yet) 2.7x, and
 # a plain step 2.04 ms (the lease's diagnosis)
