@@ -360,8 +360,8 @@ def for_match(state: GovernorState, match: int | None) -> GovernorState:
     A class whose rounds in this reply held at most L drafts in a row drafts at most 2L + 1
     (REACH_MIN at least) next. Its counts price a long draft by a constant chance per token,
     and a few rounds that held a token or three say nothing of the tenth: in new code one-draft
-    rounds that held on 2-token matches then drafted 15 with none held, and a chance 3-token
-    run vouched for 28 with 2 held. A copy in progress loses little: its match grows past the
+    rounds that held on 2-token matches then drafted 15 with none held, and 3 drafts held by
+    chance vouched for 31 with none held (replayed codegen replies: scripts/governor_replay.py). A copy in progress loses little: its match grows past the
     class as it goes, and each class it reaches starts uncapped. A new reply lifts the caps.
     After STREAK_OPEN plain steps or more in a row that each made their proposal's first token
     (`streak`), the class is priced as if a round had held that many more, and capped as that
@@ -439,8 +439,8 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
     if best_k == 0 and match is None and state.plain_rounds >= state.probe_every:
         # never an n-gram proposal: each match class has its own counts and prior, and a re-check
         # on a chance 2-3 token match costs a batch of two (about 1.8 plain steps on an H100) for
-        # a token that comes one time in three; when it holds, the class's counts took it as
-        # evidence for long drafts (see for_match)
+        # a token that seldom comes; when it holds, the class's counts took it as evidence for
+        # long drafts (see for_match)
         return Decision(Kind.PROBE, 1, f"re-checking the draft (plain wins: {plain:.1f} tok/s)")
     if best_k == 0:
         return Decision(Kind.PLAIN, 0, f"draft off: plain {plain:.1f} tok/s beats any k (acceptance {state.alpha:.0%})")
@@ -605,8 +605,8 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
     by_match, held = state.by_match, state.held
     if drafted > 0 and match is not None:
         by_match = _fold_match(state, match, accepted, 0 if accepted == drafted else 1)
-        most = dict(held)
-        most[match_bucket(match)] = max(most.get(match_bucket(match), 0), accepted)
+        most, bucket = dict(held), match_bucket(match)
+        most[bucket] = max(most.get(bucket, 0), accepted)
         held = tuple(sorted(most.items()))
     alpha, accepted_ema, trials_ema = state.alpha, state.accepted_ema, state.trials_ema
     draft_step = state.draft_step_s
@@ -631,7 +631,7 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
     return replace(state, alpha=alpha, accepted_ema=accepted_ema, trials_ema=trials_ema, draft_step_s=draft_step,
                    drafted_rounds=drafted_rounds, plain_from_load=state.plain_from_load and drafted > 0,
                    verify_s=tuple(sorted(table.items())), verify_seen=seen, by_match=by_match, held=held,
-                   streak=state.streak + 1 if shadow and drafted == 0 else 0, verify_ratios=ratios,
+                   streak=state.streak + 1 if shadow else 0, verify_ratios=ratios,
                    cold_ratios=cold_ratios, plain_rounds=plain_rounds, probe_every=probe_every)
 
 
