@@ -50,32 +50,30 @@ CHAT = [(0.0, 1), (0.7, 1), (0.7, 2)]
 def record(model: str, path: Path) -> dict:
     """The replies as plain decoding makes them (at most 256 tokens each)."""
     from edgerun.bench.ab import load_prompts
-    from edgerun.bench.spec import CHAT_TURN_1, CHAT_TURN_2, CODEGEN_PROMPT, EDIT_PROMPT
+    from edgerun.bench.spec import CHAT_TURN_1, CHAT_TURN_2, CODEGEN_PROMPT, EDIT_PROMPT, _reply
     from edgerun.convert.atomic import atomic_path
-    from edgerun.decode.generate import Step
     from edgerun.runner import Runner
     from edgerun.settings import EngineSettings, SamplerSettings
 
     prompts = {p.name: p.text for p in load_prompts("spec")}
     out: dict = {}
     with Runner(model, EngineSettings().replace(n_ctx=4096)) as r:
-        def reply(tokens, temp, seed):
-            sampling = SamplerSettings().replace(temperature=temp, seed=seed)
-            return [s for s in r.stream(tokens, sampling, max_tokens=256) if isinstance(s, Step) and s.finish != "stop"]
+        def reply(tokens, temp, seed):  # the bench's own reply: its tokens and text, the end left out
+            return _reply(r, tokens, SamplerSettings().replace(temperature=temp, seed=seed), 256)
 
         for temp, seed in CODEGEN:
             tokens = r.chat_tokens([{"role": "user", "content": prompts[CODEGEN_PROMPT]}])
-            out[f"codegen T={temp:g} seed {seed}"] = {"prompt": tokens, "reply": [s.token for s in reply(tokens, temp, seed)]}
+            out[f"codegen T={temp:g} seed {seed}"] = {"prompt": tokens, "reply": reply(tokens, temp, seed)["tokens"]}
         tokens = r.chat_tokens([{"role": "user", "content": prompts[EDIT_PROMPT]}])
-        out["edit T=0"] = {"prompt": tokens, "reply": [s.token for s in reply(tokens, 0.0, 1)]}
+        out["edit T=0"] = {"prompt": tokens, "reply": reply(tokens, 0.0, 1)["tokens"]}
         for temp, seed in CHAT:
             first = [{"role": "user", "content": CHAT_TURN_1}]
             p1 = r.chat_tokens(first)
             r1 = reply(p1, temp, seed)
-            p2 = r.chat_tokens(first + [{"role": "assistant", "content": "".join(s.text for s in r1)},
+            p2 = r.chat_tokens(first + [{"role": "assistant", "content": r1["text"]},
                                         {"role": "user", "content": CHAT_TURN_2}])
-            out[f"chat T={temp:g} seed {seed}"] = {"turn1": {"prompt": p1, "reply": [s.token for s in r1]},
-                                                   "prompt": p2, "reply": [s.token for s in reply(p2, temp, seed)]}
+            out[f"chat T={temp:g} seed {seed}"] = {"turn1": {"prompt": p1, "reply": r1["tokens"]},
+                                                   "prompt": p2, "reply": reply(p2, temp, seed)["tokens"]}
         eog = [t for t in range(r.model.n_vocab) if r.model.is_eog(t)]
     doc = {"model": model, "eog": eog, "replies": out}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,7 +100,8 @@ class Prices:
             return CPU_2T[n] / 1000
         return (H100_COLD if runs < 2 else H100_ROUND) * self.curve[n - 1]
 
-    def cold(self, n: int, runs: int) -> bool:
+    def cold(self, runs: int) -> bool:
+        """A batch size's first two runs on the GPU have no CUDA graph yet."""
         return self.machine != "cpu" and runs < 2
 
 
@@ -126,14 +125,14 @@ def replay(g, prices: Prices, prompt: list[int], reply: list[int], eog: set[int]
         k = 0
         if proposal.tokens:
             budget = min(len(proposal.tokens), max(1, len(reply) - pos))
-            cold = frozenset(n for n in range(2, budget + 2) if prices.cold(n, runs.get(n, 0)))
+            cold = frozenset(n for n in range(2, budget + 2) if prices.cold(runs.get(n, 0)))
             k = g.choose(state, budget, match=proposal.match, ends=budget < g.K_MAX_NGRAM, cold=cold).k
         if k:
             held = next((i for i in range(k) if pos + i >= len(reply) or proposal.tokens[i] != reply[pos + i]), k)
             n = k + 1
             cost = prices.round(n, runs.get(n, 0))
             state = g.update(state, k=k, drafted=k, accepted=held, draft_s=0.0, verify_s=cost,
-                             match=proposal.match, cold=prices.cold(n, runs.get(n, 0)))
+                             match=proposal.match, cold=prices.cold(runs.get(n, 0)))
             runs[n] = runs.get(n, 0) + 1
             drafter.extend(proposal.tokens[:held])
             pos, spent = pos + held + 1, spent + cost
