@@ -282,12 +282,14 @@ def cmd_cache(args) -> int:
     store = KvStore(max_bytes=user_settings.load()[0].kv_cache_bytes)
     if args.action == "clear":
         from edgerun import ngram_pool
+        from edgerun.runtime import cost_table
 
         n = store.clear()
         _forget_states(None)
-        pools = ngram_pool.clear()
-        _err(f"removed {n} saved KV state(s) from {store.root}"
-             + (f" and {pools} n-gram pool(s) from {ngram_pool.default_dir()}" if pools else ""))
+        pools, tables = ngram_pool.clear(), cost_table.clear()
+        also = [f"{pools} n-gram pool(s) from {ngram_pool.default_dir()}" if pools else "",
+                f"{tables} load-time cost table(s) from {cost_table.default_dir()}" if tables else ""]
+        _err(f"removed {n} saved KV state(s) from {store.root}" + "".join(f" and {a}" for a in also if a))
         return 0
     if args.action == "rm":
         if not args.names:

@@ -19,7 +19,7 @@ from edgerun.decode.speculative import Round, SpecConfig, k_limit
 from edgerun.models import catalog, fetch
 from edgerun.models.fetch import resolve
 from edgerun.models.gguf_check import GGUFInfo, inspect
-from edgerun.runtime import chat_template, devices, placement, rpc, vocab
+from edgerun.runtime import chat_template, cost_table, devices, kvstate, placement, rpc, vocab
 from edgerun.runtime.engine import Context, Model
 from edgerun.settings import EngineSettings, SamplerSettings
 
@@ -164,7 +164,7 @@ class Runner:
             self._warm_up(speculating=speculating)
         if speculating and spec_k is None:
             warm = governor.WARM_ROUNDS if self.plan.gpu_bytes else 1
-            for name, known in (costs or self._measure_costs()).items():
+            for name, known in (costs or self._load_costs()).items():
                 self.governors.put(name, governor.from_costs(known, warm_rounds=warm))
             # a draft the load-time costs already rule out: replies decode as plain ones do (their
             # sampler settles before the prompt), so warm that graph here as _warm_up does for them
@@ -241,30 +241,46 @@ class Runner:
                 self.ctx.eval([token])
             self.ctx.trim(0)
 
+    def _load_costs(self) -> dict[str, Costs]:
+        """The load-time costs: kept on disk from an earlier start with the same model, build,
+        machine and settings (runtime/cost_table.py; CPU-only placements), else timed now and
+        kept. A table that cannot be kept is timed again at the next start, as before."""
+        key = self._cost_key()
+        kept = cost_table.load(key) if key is not None else None
+        if kept is not None:
+            return kept
+        costs = self._measure_costs()
+        if key is not None:
+            cost_table.save(key, costs)
+        return costs
+
+    def _cost_key(self) -> dict | None:
+        """What the load-time timings depend on, or None where they are not kept (a GPU or an RPC
+        server in the placement: there they double as warming each shape up)."""
+        if self.plan.gpu_bytes or self.remote:
+            return None
+        engine = {k: v for k, v in dataclasses.asdict(self.settings).items() if k not in ("rpc_timeout_s", "max_vram")}
+        return {"model": kvstate.model_identity(self.path), "llama": kvstate.llama_build(),
+                "machine": cost_table.machine(), "engine": engine, "shapes": sorted(list(s) for s in self._cost_shapes()),
+                "draft": kvstate.model_identity(self.draft_path) if self.draft_ctx is not None else None,
+                "draft_threads": (placement.draft_threads(self.plan.draft, self.settings.n_threads)
+                                  if self.draft_ctx is not None else None),
+                "ngram": self.spec_config.ngram}
+
     def _measure_costs(self) -> dict[str, Costs]:
         """Time every verify batch size, and the draft's step and catch-up when there is a draft,
         before the first reply, so the governors judge drafting before paying for it: a draft that
         cannot win here would otherwise cost its prompt prefill and a losing round, more than a
         short reply wins back, and an n-gram drafter would spend its first rounds measuring."""
         token = self.model.bos if self.model.bos >= 0 else 0
-        # (context, tokens, logits for every position): verifies score every position, the
-        # draft's catch-up only its last. Shapes take turns, so a stall hits one sample of each
-        # rather than every sample of one; the fastest sample counts (noise only adds time).
-        widest = min(governor.K_MAX, k_limit(self.ctx)) + 1  # a verify batch: last + up to k drafts
-        shapes = {("verify", n): (self.ctx, n, True) for n in range(1, widest + 1)}
-        if self.spec_config.ngram:
-            # an exact copy drafts in long rounds: whole blocks of llama.cpp's CPU kernels
-            # (governor.BLOCK) up to a batch of 32, so the first reply may go to 63 drafts at once
-            # rather than double its way there (a round each) from 9
-            shapes |= {("verify", n): (self.ctx, n, True) for n in NGRAM_SIZES if n <= k_limit(self.ctx) + 1}
-        if self.draft_ctx is not None:
-            shapes |= {("draft", 1): (self.draft_ctx, 1, False),
-                       ("catch_up", CATCH_UP_PROBE): (self.draft_ctx, CATCH_UP_PROBE, False)}
+        shapes = self._cost_shapes()
         # On a GPU only the third of three same-shape decodes counts: after a shape change CUDA
         # runs the graph uncaptured, captures it on the next call and replays it from then on.
         runs = 3 if self.plan.gpu_bytes else 1
         best = dict.fromkeys(shapes, float("inf"))
         start_all = time.perf_counter()
+        # Shapes take turns, so a stall hits one sample of each rather than every sample of one;
+        # the fastest sample counts (noise only adds time).
         for _ in range(COST_REPS):
             if time.perf_counter() - start_all > COST_BUDGET_S:
                 break
@@ -281,6 +297,21 @@ class Runner:
             costs["model"] = Costs(verify, draft_step_s=best["draft", 1],
                                    catch_up_s=best["catch_up", CATCH_UP_PROBE] / CATCH_UP_PROBE)
         return costs
+
+    def _cost_shapes(self) -> dict[tuple[str, int], tuple[Context, int, bool]]:
+        """What load-time timing decodes: (kind, tokens) -> (context, tokens, logits for every
+        position). Verifies score every position, the draft's catch-up only its last."""
+        widest = min(governor.K_MAX, k_limit(self.ctx)) + 1  # a verify batch: last + up to k drafts
+        shapes = {("verify", n): (self.ctx, n, True) for n in range(1, widest + 1)}
+        if self.spec_config.ngram:
+            # an exact copy drafts in long rounds: whole blocks of llama.cpp's CPU kernels
+            # (governor.BLOCK) up to a batch of 32, so the first reply may go to 63 drafts at once
+            # rather than double its way there (a round each) from 9
+            shapes |= {("verify", n): (self.ctx, n, True) for n in NGRAM_SIZES if n <= k_limit(self.ctx) + 1}
+        if self.draft_ctx is not None:
+            shapes |= {("draft", 1): (self.draft_ctx, 1, False),
+                       ("catch_up", CATCH_UP_PROBE): (self.draft_ctx, CATCH_UP_PROBE, False)}
+        return shapes
 
     def _own(self, handle):
         self._owned.append(handle)

@@ -149,18 +149,11 @@ def machine() -> dict:
 
     from edgerun.settings import physical_cores
 
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "arch": platform.machine(), "logical_cores": os.cpu_count(),
+    from edgerun.runtime.cost_table import cpu_name
+
+    return {"cpu": cpu_name(), "arch": platform.machine(), "logical_cores": os.cpu_count(),
             "physical_cores": physical_cores(), "ram_bytes": psutil.virtual_memory().total,
             "gpu": _gpus(), "load_avg_1m": os.getloadavg()[0]}
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
 
 
 def _gpus() -> list[str]:
