@@ -269,39 +269,3 @@ def test_a_reply_ends_where_the_context_ends(tiny_model):
         steps = [s for s in r.stream(prompt, GREEDY, max_tokens=1000) if isinstance(s, Step)]
         assert steps[-1].finish == "length" and len(prompt) + len(steps) < r.ctx.n_ctx  # llama.cpp pads to 256
         assert cache_holds(r.ctx) <= r.ctx.n_ctx
-
-
-@pytest.mark.parametrize("sampling", [GREEDY, HOT], ids=["greedy", "sampled"])
-def test_the_ngram_governor_counts_the_plain_steps_that_made_their_proposals_first_token(tiny_model, sampling):
-    """A governed n-gram reply: each plain step taken instead of a proposal tells the governor
-    whether it made the proposal's first token. After every round the runner's governor holds
-    the run of such steps that replaying the lookup over the reply's tokens gives (a drafted
-    round, a miss, or a step without a proposal ends it)."""
-    from edgerun.decode.ngram import NgramDrafter
-
-    with Runner(tiny_model, ENGINE, ngram=True) as r:
-        prompt = r.chat_tokens(PROMPT)
-        records, streaks = [], []
-        for rec in r.stream(prompt, sampling, max_tokens=200):
-            records.append(rec)
-            if isinstance(rec, Round):
-                streaks.append(r.governors.get("ngram").streak)
-        replay = NgramDrafter(is_stop=r.model.is_eog)
-    replay.reset(prompt)
-    produced, streak, want, verdicts = [], 0, [], []
-    for rec in records:
-        if isinstance(rec, Step):
-            produced.append(rec.token)
-        elif isinstance(rec, Round):
-            made = rec.accepted + 1 if rec.drafted else 1
-            replay.extend([*prompt, *produced][len(replay.tokens):len(prompt) + len(produced) - made])
-            proposal = replay.lookup(governor.K_MAX_NGRAM)
-            if rec.drafter == "ngram" and not rec.drafted:
-                verdicts.append(proposal.tokens[0] == produced[-1])
-                streak = streak + 1 if verdicts[-1] else 0
-            else:
-                streak = 0
-            want.append(streak)
-    assert True in verdicts and False in verdicts, verdicts
-    assert max(want) >= 2
-    assert streaks == want

@@ -19,8 +19,6 @@ EMA = 0.15           # weight of the newest measurement
 PRIOR_ALPHA = 0.6    # acceptance assumed before any draft was verified
 PRIOR_TRIALS = 1.0   # ... worth this many accept/reject decisions
 MATCH_PRIOR_TRIALS = 2.0  # a match class's prior acceptance is worth this many decisions (see predicted_tokens)
-REACH_MIN = 3        # the fewest drafts a class's reach in the reply allows (see for_match)
-STREAK_OPEN = 6      # plain steps in a row that made their n-gram proposal's first token: a copy going on (see for_match)
 PROBE_FIRST = 8      # plain rounds before re-checking a draft that lost
 PROBE_MAX = 256      # ... growing up to this while it keeps losing
 PROBE_COST_MAX = 0.02  # a re-check may cost at most this share of plain decoding time in draft catch-up
@@ -38,8 +36,8 @@ class Kind(enum.Enum):
     FIXED = "fixed"        # the user fixed k
     MEASURE = "measure"    # k chosen to measure a cost (plain decoding, the draft, a longer k)
     DRAFT = "draft"        # the k with the best expected rate
-    PROBE = "probe"        # one draft to re-check a losing model draft's acceptance
-    PLAIN = "plain"        # plain wins for now (a model draft is re-checked later)
+    PROBE = "probe"        # one draft to re-check a losing draft's acceptance
+    PLAIN = "plain"        # plain wins for now; a re-check comes later
     HOPELESS = "hopeless"  # given up: even 100% acceptance cannot beat plain
     COSTLY = "costly"      # given up: a re-check's catch-up would cost over PROBE_COST_MAX
 
@@ -94,9 +92,6 @@ class GovernorState:
     verify_ratios: tuple[float, ...] = ()
     # ... and the same of the latest rounds whose batch had no captured CUDA graph (see cold_factor)
     cold_ratios: tuple[float, ...] = ()
-    # (match bucket, most drafts one round of the class accepted) in this reply (see for_match)
-    held: tuple[tuple[int, int], ...] = ()
-    streak: int = 0  # the latest plain steps in a row that made their n-gram proposal's first token
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -356,38 +351,18 @@ def _mean(counts: tuple[float, float]) -> float:
 
 def for_match(state: GovernorState, match: int | None) -> GovernorState:
     """The state with the acceptance learned for proposals of this match length (the class's
-    prior while it has no rounds yet); the state as it is when match is None.
-    A class whose rounds in this reply held at most L drafts in a row drafts at most 2L + 1
-    (REACH_MIN at least) next. Its counts price a long draft by a constant chance per token,
-    and a few rounds that held a token or three say nothing of the tenth: in new code one-draft
-    rounds that held on 2-token matches then drafted 15 with none held, and 3 drafts held by
-    chance vouched for 31 with none held (replayed codegen replies: scripts/governor_replay.py). A copy in progress loses little: its match grows past the
-    class as it goes, and each class it reaches starts uncapped. A new reply lifts the caps.
-    After STREAK_OPEN plain steps or more in a row that each made their proposal's first token
-    (`streak`), the class is priced as if a round had held that many more, and capped as that
-    round would cap it (never past the class's own cap): a copy is going on now, whatever the
-    class learned from other text. No paid re-check opens a class that is off; this does, and
-    choose takes it only where the class drafts nothing without it. In a chat's second turn that
-    edits the model's own code, the classes learned off in the first turn's new code would
-    otherwise leave a copy undrafted until its match reached a class without rounds."""
+    prior while it has no rounds yet); the state as it is when match is None."""
     if match is None:
         return state
     bucket = match_bucket(match)
     learned = _learned(state.by_match)
     counts = learned.get(bucket)
-    k_max = state.k_max
     if counts is None:
         # a class without rounds yet: a longer match is at least as likely right as a shorter
         # one, so an exact copy that held for 8 tokens vouches for the same copy at 16 before a
         # round of 16 has run (a short reply has few rounds to learn each class in)
         counts = max([_prior_counts(bucket, learned), *(c for b, c in learned.items() if b < bucket)], key=_mean)
-    held = dict(state.held).get(bucket)
-    if held is not None:
-        k_max = min(k_max, max(REACH_MIN, 2 * held + 1))
-    if state.streak >= STREAK_OPEN:
-        counts = (counts[0] + state.streak, counts[1])
-        k_max = min(k_max, 2 * max(state.streak, held or 0) + 1)
-    return replace(state, alpha=_mean(counts), counts=counts, k_max=k_max)
+    return replace(state, alpha=_mean(counts), counts=counts)
 
 
 def rate(state: GovernorState, k: int) -> float | None:
@@ -405,12 +380,6 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
     all there is to copy (the earlier text, or the reply's budget, ends after it), so drafts
     left out of this round cost a round of their own (see _best); `cold`: verify batch sizes
     (drafts + 1) whose CUDA graph is not captured for this round, priced at cold_factor."""
-    if match is not None and state.streak >= STREAK_OPEN:
-        # the run of plain steps that made their proposals' first token opens a class that is off,
-        # and changes nothing else (see for_match)
-        alone = choose(replace(state, streak=0), available, lag=lag, horizon=horizon, match=match, ends=ends, cold=cold)
-        if alone.kind is not Kind.PLAIN:
-            return alone
     state = for_match(state, match)
     k_cap = state.k_max if available is None else min(state.k_max, available)
     k_cap = min(k_cap, explore_cap(state))
@@ -436,11 +405,7 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
         return Decision(Kind.MEASURE, 0, "timing a plain step")
     if not measured:
         return Decision(Kind.MEASURE, min(2, k_cap), "measuring the draft")
-    if best_k == 0 and match is None and state.plain_rounds >= state.probe_every:
-        # never an n-gram proposal: each match class has its own counts and prior, and a re-check
-        # on a chance 2-3 token match costs a batch of two (about 1.8 plain steps on an H100) for
-        # a token that seldom comes; when it holds, the class's counts took it as evidence for
-        # long drafts (see for_match)
+    if best_k == 0 and state.plain_rounds >= state.probe_every:
         return Decision(Kind.PROBE, 1, f"re-checking the draft (plain wins: {plain:.1f} tok/s)")
     if best_k == 0:
         return Decision(Kind.PLAIN, 0, f"draft off: plain {plain:.1f} tok/s beats any k (acceptance {state.alpha:.0%})")
@@ -582,14 +547,11 @@ def _cost_ema(old: float | None, new: float) -> float:
 
 
 def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
-           steps: int = 1, match: int | None = None, cold: bool = False,
-           shadow: bool | None = None) -> GovernorState:
+           steps: int = 1, match: int | None = None, cold: bool = False) -> GovernorState:
     """Fold one round's measurements into the state. `steps`: plain tokens the round decoded
     (verify_s is then the time of one of them); `match`: the n-gram proposal's match length;
     `cold`: the verify batch had no captured CUDA graph. A cold round's time teaches cold_factor
-    only: the table, its bias and the sizes seen in the reply are about captured batches.
-    `shadow`: for a plain step taken instead of an n-gram proposal, whether the step made the
-    proposal's first token (the streak of for_match; anything else ends it)."""
+    only: the table, its bias and the sizes seen in the reply are about captured batches."""
     table = dict(state.verify_s)
     n = drafted + 1
     ratios, cold_ratios, seen = state.verify_ratios, state.cold_ratios, state.verify_seen
@@ -602,12 +564,9 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
     if not (cold and drafted > 0):
         table[n] = _cost_ema(table.get(n), verify_s)
         seen = seen if n in seen else tuple(sorted((*seen, n)))
-    by_match, held = state.by_match, state.held
+    by_match = state.by_match
     if drafted > 0 and match is not None:
         by_match = _fold_match(state, match, accepted, 0 if accepted == drafted else 1)
-        most, bucket = dict(held), match_bucket(match)
-        most[bucket] = max(most.get(bucket, 0), accepted)
-        held = tuple(sorted(most.items()))
     alpha, accepted_ema, trials_ema = state.alpha, state.accepted_ema, state.trials_ema
     draft_step = state.draft_step_s
     if drafted > 0:
@@ -630,8 +589,7 @@ def update(state: GovernorState, *, k: int, drafted: int, accepted: int, draft_s
         probe_every = min(PROBE_MAX, state.probe_every * 2) if losing else state.probe_every
     return replace(state, alpha=alpha, accepted_ema=accepted_ema, trials_ema=trials_ema, draft_step_s=draft_step,
                    drafted_rounds=drafted_rounds, plain_from_load=state.plain_from_load and drafted > 0,
-                   verify_s=tuple(sorted(table.items())), verify_seen=seen, by_match=by_match, held=held,
-                   streak=state.streak + 1 if shadow else 0, verify_ratios=ratios,
+                   verify_s=tuple(sorted(table.items())), verify_seen=seen, by_match=by_match, verify_ratios=ratios,
                    cold_ratios=cold_ratios, plain_rounds=plain_rounds, probe_every=probe_every)
 
 

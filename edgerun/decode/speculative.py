@@ -91,7 +91,6 @@ class _Planned:
     decision: Decision
     catch_up_s: float = 0.0  # the draft's prefill before the round (prefill work, shown in the stats)
     match: int | None = None  # an n-gram proposal's match length (its acceptance class)
-    first: int | None = None  # ... and its first token (a plain step instead checks it: update's shadow)
     cold: bool = False  # its verify batch has no captured CUDA graph (runtime.graphs)
 
 
@@ -238,8 +237,7 @@ class Speculator:
                 cold = self.target.cold_verify_sizes(budget, self.seq)
                 decision = self._choose("ngram", budget, match=proposal.match, ends=budget < governor.K_MAX_NGRAM,
                                         cold=cold)
-                self._planned = _Planned("ngram", decision, match=proposal.match, first=proposal.tokens[0],
-                                         cold=decision.k + 1 in cold)
+                self._planned = _Planned("ngram", decision, match=proposal.match, cold=decision.k + 1 in cold)
                 if decision.k == 0:
                     return self._plain(plan, remaining)
                 plan.k, plan.proposals = decision.k, proposal.tokens[: decision.k]
@@ -289,15 +287,12 @@ class Speculator:
         # a round without drafts is a plain step: every governor learns the plain cost from it.
         # The draft's catch-up (the prompt, or tokens made while it was off) is prefill work, not
         # the per-token cost that decides k: the stats report it, the governor does not count it.
-        # A plain step taken instead of an n-gram proposal says whether its first draft would have held.
-        shadow = planned.first == result.next if planned.first is not None and not drafts else None
         for name in [planned.drafter] if drafts else self.drafters:
             if name in self.memory:
                 self.memory.put(name, governor.update(
                     self.memory.get(name), k=planned.decision.k if drafts else 0, drafted=len(drafts),
                     accepted=accepted, draft_s=result.draft_s, verify_s=result.verify_s / steps, steps=steps,
-                    match=planned.match if drafts else None, cold=planned.cold and bool(drafts),
-                    shadow=shadow if name == planned.drafter else None))
+                    match=planned.match if drafts else None, cold=planned.cold and bool(drafts)))
         return Round(planned.drafter, planned.decision.k, len(drafts), accepted,
                      result.draft_s + planned.catch_up_s, result.verify_s, planned.decision,
                      cold=planned.cold and bool(drafts))
