@@ -11,7 +11,7 @@ import hashlib
 from pathlib import Path
 
 from edgerun import paths
-from edgerun.convert.atomic import atomic_path
+from edgerun.convert.atomic import write_bytes
 from edgerun.decode.ngram import NgramPool
 
 
@@ -42,9 +42,7 @@ class PoolFile:
         written (the pool in memory has them either way)."""
         self.pool.add(tokens)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_path(self.path) as tmp:
-                tmp.write_bytes(self.pool.to_bytes())
+            write_bytes(self.path, self.pool.to_bytes())
         except OSError as e:
             return f"the n-gram pool was not saved ({e})"
         return None
@@ -52,8 +50,4 @@ class PoolFile:
 
 def clear(root: Path | None = None) -> int:
     """Remove every model's pool; how many files went."""
-    n = 0
-    for path in (root or default_dir()).glob("*.pool"):
-        path.unlink(missing_ok=True)
-        n += 1
-    return n
+    return paths.remove_matching(root or default_dir(), "*.pool")

@@ -45,3 +45,12 @@ def models_dir() -> Path:
 
 def downloads_dir() -> Path:
     return cache_dir() / "downloads"
+
+
+def remove_matching(folder: Path, pattern: str) -> int:
+    """Remove the files of FOLDER whose names match PATTERN (a glob); how many went."""
+    n = 0
+    for path in folder.glob(pattern):
+        path.unlink(missing_ok=True)
+        n += 1
+    return n

@@ -87,3 +87,10 @@ def atomic_path(dst: Path) -> Iterator[Path]:
             tmp.unlink()
         raise
 
+
+def write_bytes(dst: Path, data: bytes) -> None:
+    """DST holds DATA, written as atomic_path writes (its folder made if it is missing)."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(dst) as tmp:
+        tmp.write_bytes(data)
