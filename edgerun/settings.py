@@ -18,6 +18,18 @@ def physical_cores() -> int:
     return psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what Python's platform module says."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                        platform.processor())
+    except OSError:
+        return platform.processor()
+
+
 def threads_from_env() -> int | None:
     """EDGERUN_THREADS, where set: the threads of llama.cpp (and of edgerun's own native work) when
     --threads does not say, for a machine shared with other work or a container given fewer cores

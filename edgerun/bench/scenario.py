@@ -147,9 +147,7 @@ def machine() -> dict:
     """What the figures were measured on: CPU, cores, memory, GPU, and the load when it started."""
     import psutil
 
-    from edgerun.settings import physical_cores
-
-    from edgerun.runtime.cost_table import cpu_name
+    from edgerun.settings import cpu_name, physical_cores
 
     return {"cpu": cpu_name(), "arch": platform.machine(), "logical_cores": os.cpu_count(),
             "physical_cores": physical_cores(), "ram_bytes": psutil.virtual_memory().total,
