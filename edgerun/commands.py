@@ -286,10 +286,12 @@ def cmd_cache(args) -> int:
 
         n = store.clear()
         _forget_states(None)
-        pools, tables = ngram_pool.clear(), cost_table.clear()
-        also = [f"{pools} n-gram pool(s) from {ngram_pool.default_dir()}" if pools else "",
-                f"{tables} load-time cost table(s) from {cost_table.default_dir()}" if tables else ""]
-        _err(f"removed {n} saved KV state(s) from {store.root}" + "".join(f" and {a}" for a in also if a))
+        removed = [f"{n} saved KV state(s) from {store.root}"]
+        for count, what, where in ((ngram_pool.clear(), "n-gram pool(s)", ngram_pool.default_dir()),
+                                   (cost_table.clear(), "load-time cost table(s)", cost_table.default_dir())):
+            if count:
+                removed.append(f"{count} {what} from {where}")
+        _err("removed " + " and ".join(removed))
         return 0
     if args.action == "rm":
         if not args.names:

@@ -242,16 +242,24 @@ class Runner:
             self.ctx.trim(0)
 
     def _load_costs(self) -> dict[str, Costs]:
-        """The load-time costs: kept on disk from an earlier start with the same model, build,
-        machine and settings (runtime/cost_table.py; CPU-only placements), else timed now and
-        kept. A table that cannot be kept is timed again at the next start, as before."""
+        """Each governor's load-time costs, from the timings of every verify batch size (and the
+        draft's step and catch-up when there is a draft): kept on disk from an earlier start with
+        the same model, build, machine and settings (runtime/cost_table.py; CPU-only
+        placements), else timed now and kept. Timed before the first reply, so the governors judge
+        drafting before paying for it: a draft that cannot win here would otherwise cost its
+        prompt prefill and a losing round, more than a short reply wins back, and an n-gram
+        drafter would spend its first rounds measuring."""
         key = self._cost_key()
-        kept = cost_table.load(key) if key is not None else None
-        if kept is not None:
-            return kept
-        costs = self._measure_costs()
-        if key is not None:
-            cost_table.save(key, costs)
+        best = cost_table.load(key) if key is not None else None
+        if best is None:
+            best = self._time_shapes()
+            if key is not None:
+                cost_table.save(key, best)  # one that cannot be kept is timed again next start
+        verify = tuple((n, t) for (kind, n), t in best.items() if kind == "verify")
+        costs = {"ngram": Costs(verify, draft_step_s=0.0)} if self.spec_config.ngram else {}  # a lookup, no decode
+        if self.draft_ctx is not None:
+            costs["model"] = Costs(verify, draft_step_s=best["draft", 1],
+                                   catch_up_s=best["catch_up", CATCH_UP_PROBE] / CATCH_UP_PROBE)
         return costs
 
     def _cost_key(self) -> dict | None:
@@ -260,18 +268,14 @@ class Runner:
         if self.plan.gpu_bytes or self.remote:
             return None
         engine = {k: v for k, v in dataclasses.asdict(self.settings).items() if k not in ("rpc_timeout_s", "max_vram")}
+        drafting = self.draft_ctx is not None
         return {"model": kvstate.model_identity(self.path), "llama": kvstate.llama_build(),
-                "machine": cost_table.machine(), "engine": engine, "shapes": sorted(list(s) for s in self._cost_shapes()),
-                "draft": kvstate.model_identity(self.draft_path) if self.draft_ctx is not None else None,
-                "draft_threads": (placement.draft_threads(self.plan.draft, self.settings.n_threads)
-                                  if self.draft_ctx is not None else None),
-                "ngram": self.spec_config.ngram}
+                "machine": cost_table.machine(), "engine": engine, "shapes": [list(s) for s in self._cost_shapes()],
+                "draft": kvstate.model_identity(self.draft_path) if drafting else None,
+                "draft_threads": placement.draft_threads(self.plan.draft, self.settings.n_threads) if drafting else None}
 
-    def _measure_costs(self) -> dict[str, Costs]:
-        """Time every verify batch size, and the draft's step and catch-up when there is a draft,
-        before the first reply, so the governors judge drafting before paying for it: a draft that
-        cannot win here would otherwise cost its prompt prefill and a losing round, more than a
-        short reply wins back, and an n-gram drafter would spend its first rounds measuring."""
+    def _time_shapes(self) -> dict[tuple[str, int], float]:
+        """Seconds of each shape of _cost_shapes, the fastest of up to COST_REPS samples."""
         token = self.model.bos if self.model.bos >= 0 else 0
         shapes = self._cost_shapes()
         # On a GPU only the third of three same-shape decodes counts: after a shape change CUDA
@@ -291,12 +295,7 @@ class Runner:
                     elapsed = time.perf_counter() - start
                     ctx.trim(0)
                 best[key] = min(best[key], elapsed)
-        verify = tuple((n, t) for (kind, n), t in best.items() if kind == "verify")
-        costs = {"ngram": Costs(verify, draft_step_s=0.0)} if self.spec_config.ngram else {}  # a lookup, no decode
-        if self.draft_ctx is not None:
-            costs["model"] = Costs(verify, draft_step_s=best["draft", 1],
-                                   catch_up_s=best["catch_up", CATCH_UP_PROBE] / CATCH_UP_PROBE)
-        return costs
+        return best
 
     def _cost_shapes(self) -> dict[tuple[str, int], tuple[Context, int, bool]]:
         """What load-time timing decodes: (kind, tokens) -> (context, tokens, logits for every

@@ -8,26 +8,24 @@ import json
 
 import pytest
 
-from edgerun.decode.governor import Costs
 from edgerun.runner import Runner
 from edgerun.runtime import cost_table
 from edgerun.settings import EngineSettings
 from testkit.cli import run_cli
 
-KEY = {"model": "file:1:2:ab", "engine": {"n_threads": 2}, "shapes": [["verify", 1], ["verify", 2]]}
-COSTS = {"ngram": Costs(((1, 0.07), (2, 0.1)), draft_step_s=0.0),
-         "model": Costs(((1, 0.07), (2, 0.1)), draft_step_s=0.02, catch_up_s=0.004)}
+KEY = {"model": "file:1:2:ab", "engine": {"n_threads": 2}, "shapes": [["verify", 1], ["verify", 2], ["draft", 1]]}
+TIMINGS = {("verify", 1): 0.07, ("verify", 2): 0.1, ("draft", 1): 0.02}
 ENGINE = EngineSettings(n_ctx=512, n_threads=1, gpu_layers="0")
 
 
 def test_a_table_reads_back_as_it_was_kept_for_its_key_alone(tmp_path):
-    assert cost_table.save(KEY, COSTS, tmp_path, now=1000.0) is None
-    assert cost_table.load(KEY, tmp_path, now=1000.0 + cost_table.MAX_AGE_S) == COSTS
+    assert cost_table.save(KEY, TIMINGS, tmp_path, now=1000.0) is None
+    assert cost_table.load(KEY, tmp_path, now=1000.0 + cost_table.MAX_AGE_S) == TIMINGS
     assert cost_table.load({**KEY, "engine": {"n_threads": 4}}, tmp_path, now=1000.0) is None
 
 
 def test_a_table_older_than_its_age_or_from_the_future_is_timed_again(tmp_path):
-    cost_table.save(KEY, COSTS, tmp_path, now=1000.0)
+    cost_table.save(KEY, TIMINGS, tmp_path, now=1000.0)
     assert cost_table.load(KEY, tmp_path, now=1000.0 + cost_table.MAX_AGE_S + 1) is None
     assert cost_table.load(KEY, tmp_path, now=999.0) is None
 
@@ -35,33 +33,26 @@ def test_a_table_older_than_its_age_or_from_the_future_is_timed_again(tmp_path):
 @pytest.mark.parametrize("broken", [
     "not json", "[]", '{"key": null}',
     {"saved": "yesterday"},
-    {"costs": {}},
-    {"costs": {"other": {"verify_s": [[1, 0.07]]}}},
-    {"costs": {"ngram": {"verify_s": []}}},
-    {"costs": {"ngram": {"verify_s": [[1, -0.07]]}}},
-    {"costs": {"ngram": {"verify_s": [[0, 0.07]]}}},
-    {"costs": {"ngram": {"verify_s": [[True, 0.07]]}}},
-    {"costs": {"ngram": {"verify_s": [[1.5, 0.07]]}}},
-    {"costs": {"ngram": {"verify_s": [[1, 1e9]]}}},
-    {"costs": {"ngram": {"verify_s": [[1, 0.07], [1, 0.08]]}}},
-    {"costs": {"ngram": {"verify_s": [[1, 0.07, 3]]}}},
-    {"costs": {"ngram": {"verify_s": [[1, 0.07]], "draft_step_s": -1}}},
-    {"costs": {"ngram": {"verify_s": [[1, 0.07]], "catch_up_s": 0}}},
-    {"costs": {"ngram": {"verify_s": [[1, 0.07]], "catch_up_s": "fast"}}},
+    {"seconds": None},
+    {"seconds": [0.07, 0.1]},
+    {"seconds": [0.07, 0.1, 0.02, 0.03]},
+    {"seconds": [0.07, -0.1, 0.02]},
+    {"seconds": [0.07, 0.0, 0.02]},
+    {"seconds": [0.07, 1e9, 0.02]},
+    {"seconds": [0.07, True, 0.02]},
+    {"seconds": [0.07, "fast", 0.02]},
 ])
 def test_a_table_that_is_not_timings_reads_as_none(tmp_path, broken):
-    cost_table.save(KEY, COSTS, tmp_path, now=1000.0)
+    cost_table.save(KEY, TIMINGS, tmp_path, now=1000.0)
     path = cost_table.table_path(KEY, tmp_path)
     if isinstance(broken, dict):
-        doc = json.loads(path.read_text())
-        doc.update(broken)
-        broken = json.dumps(doc)
+        broken = json.dumps({**json.loads(path.read_text()), **broken})
     path.write_text(broken)
     assert cost_table.load(KEY, tmp_path, now=1000.0) is None
 
 
 def test_a_table_with_a_value_past_json_reads_as_none(tmp_path):
-    cost_table.save(KEY, COSTS, tmp_path, now=1000.0)
+    cost_table.save(KEY, TIMINGS, tmp_path, now=1000.0)
     path = cost_table.table_path(KEY, tmp_path)
     path.write_text(path.read_text().replace("0.07", "NaN", 1))
     assert cost_table.load(KEY, tmp_path, now=1000.0) is None
@@ -79,20 +70,28 @@ def test_a_cpu_runner_reads_the_costs_its_first_start_timed(tiny_model, tmp_path
     assert len(tables) == 1 and [n for n, _ in timed] == [*range(1, 10), 16, 32]
     # what the next start reads is the file's: values no timing would give show it
     doc = json.loads(tables[0].read_text())
-    doc["costs"]["ngram"]["verify_s"] = [[n, 1.0 + n / 1000] for n, _ in timed]
+    assert doc["key"]["shapes"] == [["verify", n] for n, _ in timed]
+    doc["seconds"] = [1.0 + n / 1000 for n, _ in timed]
     tables[0].write_text(json.dumps(doc))
     with Runner(tiny_model, ENGINE, ngram=True) as second:
         assert _verify(second) == tuple((n, 1.0 + n / 1000) for n, _ in timed)
     # a table that is not timings is timed again, and replaced by one that is
-    tables[0].write_text(json.dumps({**doc, "costs": {"ngram": {"verify_s": [[1, -1.0]]}}}))
+    tables[0].write_text(json.dumps({**doc, "seconds": [-1.0] * len(timed)}))
     with Runner(tiny_model, ENGINE, ngram=True) as third:
         retimed = _verify(third)
-    assert [n for n, _ in retimed] == [n for n, _ in timed]
-    assert cost_table.load(json.loads(tables[0].read_text())["key"]) is not None
+    assert [n for n, _ in retimed] == [n for n, _ in timed] and all(t > 0 for _, t in retimed)
+    assert cost_table.load(doc["key"]) == {("verify", n): t for n, t in retimed}
     # other settings are another table; a runner that does not speculate times nothing
     with Runner(tiny_model, ENGINE.replace(n_threads=2), ngram=True), Runner(tiny_model, ENGINE):
         pass
     assert len(list(cost_table.default_dir().glob("*.json"))) == 2
+    # a model draft's step and catch-up are kept with the verifies, and read back into its costs
+    with Runner(tiny_model, ENGINE, draft=str(tiny_model)) as drafting:
+        timed = drafting.governors.get("model")
+    with Runner(tiny_model, ENGINE, draft=str(tiny_model)) as again:
+        read = again.governors.get("model")
+    assert (read.verify_s, read.draft_step_s, read.catch_up_s) == (timed.verify_s, timed.draft_step_s, timed.catch_up_s)
+    assert len(list(cost_table.default_dir().glob("*.json"))) == 3
     cleared = run_cli(capsys, "cache", "clear")
-    assert cleared.returncode == 0 and "2 load-time cost table(s)" in cleared.stderr
+    assert cleared.returncode == 0 and "3 load-time cost table(s)" in cleared.stderr
     assert not list(cost_table.default_dir().glob("*.json"))

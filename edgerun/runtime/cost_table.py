@@ -2,7 +2,9 @@
 model draft's step and catch-up) before its first reply, so the governors judge drafting before
 paying for it. On CPUs that is most of a start: for the 1.5B on 2 cores, 2.4 s of a 5.3 s load of
 `edgerun chat`, `run` or `serve`, at every start. The table is kept here, one file per model,
-build, machine and engine settings, and a later start on the same ones reads it instead.
+build, machine and engine settings: the seconds of each shape the key names, from which the
+runner builds each governor's costs as it does from a timing. A later start on the same ones
+reads it instead.
 
 Only CPU-only placements keep one: on a GPU the timing is a fraction of a second and doubles as
 the warm-up of those batch shapes (CUDA graph capture). What a table says is a prior either way:
@@ -22,27 +24,16 @@ import time
 from pathlib import Path
 
 from edgerun import paths
-from edgerun.convert.atomic import atomic_path
-from edgerun.decode.governor import Costs
+from edgerun.convert.atomic import write_bytes
+from edgerun.settings import cpu_name
 
 MAX_AGE_S = 7 * 86400.0  # a table is timed again after a week
 MAX_SECONDS = 600.0  # no batch of a load-time timing takes this long: a larger value is not a timing
-DRAFTERS = ("model", "ngram")
 
 
 def default_dir() -> Path:
     """Beside the saved KV states and n-gram pools: state the cache may lose."""
     return paths.kv_dir() / "costs"
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo), else what Python's platform module says."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                        platform.processor())
-    except OSError:
-        return platform.processor()
 
 
 def machine() -> dict:
@@ -55,9 +46,9 @@ def table_path(key: dict, root: Path | None = None) -> Path:
     return (root or default_dir()) / f"{digest}.json"
 
 
-def load(key: dict, root: Path | None = None, *, now: float | None = None) -> dict[str, Costs] | None:
-    """The costs kept for this key, or None when there are none that can be used: missing,
-    unreadable, made for another key, older than MAX_AGE_S, or not timings."""
+def load(key: dict, root: Path | None = None, *, now: float | None = None) -> dict[tuple[str, int], float] | None:
+    """The seconds kept for each of the key's shapes, or None when there are none that can be
+    used: missing, unreadable, made for another key, older than MAX_AGE_S, or not timings."""
     try:
         doc = json.loads(table_path(key, root).read_text())
     except (OSError, ValueError):
@@ -65,31 +56,24 @@ def load(key: dict, root: Path | None = None, *, now: float | None = None) -> di
     now = time.time() if now is None else now
     if not isinstance(doc, dict) or doc.get("key") != key:
         return None
-    saved = doc.get("saved")
+    saved, seconds = doc.get("saved"), doc.get("seconds")
     if not _number(saved) or not 0 <= now - saved <= MAX_AGE_S:
         return None
-    costs = doc.get("costs")
-    if not isinstance(costs, dict) or not costs or not set(costs) <= set(DRAFTERS):
+    shapes = [tuple(shape) for shape in key["shapes"]]
+    if not isinstance(seconds, list) or len(seconds) != len(shapes):
         return None
-    out = {}
-    for name, entry in costs.items():
-        parsed = _costs(entry)
-        if parsed is None:
-            return None
-        out[name] = parsed
-    return out
+    if not all(_number(t) and 0 < t < MAX_SECONDS for t in seconds):
+        return None
+    return dict(zip(shapes, map(float, seconds)))
 
 
-def save(key: dict, costs: dict[str, Costs], root: Path | None = None, *, now: float | None = None) -> str | None:
-    """Keep the costs for this key (written atomically); the reason when they could not be."""
-    path = table_path(key, root)
+def save(key: dict, timings: dict[tuple[str, int], float], root: Path | None = None, *,
+         now: float | None = None) -> str | None:
+    """Keep the seconds of the key's shapes (written atomically); the reason when they could not be."""
     doc = {"key": key, "saved": time.time() if now is None else now,
-           "costs": {name: {"verify_s": [list(p) for p in c.verify_s], "draft_step_s": c.draft_step_s,
-                            "catch_up_s": c.catch_up_s} for name, c in costs.items()}}
+           "seconds": [timings[tuple(shape)] for shape in key["shapes"]]}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            tmp.write_text(json.dumps(doc))
+        write_bytes(table_path(key, root), json.dumps(doc).encode())
     except OSError as e:
         return f"the load-time costs were not kept ({e})"
     return None
@@ -97,37 +81,8 @@ def save(key: dict, costs: dict[str, Costs], root: Path | None = None, *, now: f
 
 def clear(root: Path | None = None) -> int:
     """Remove every kept table; how many files went."""
-    n = 0
-    for path in (root or default_dir()).glob("*.json"):
-        path.unlink(missing_ok=True)
-        n += 1
-    return n
+    return paths.remove_matching(root or default_dir(), "*.json")
 
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _seconds(value, *, zero: bool = False) -> bool:
-    return _number(value) and (value >= 0 if zero else value > 0) and value < MAX_SECONDS
-
-
-def _costs(entry) -> Costs | None:
-    if not isinstance(entry, dict):
-        return None
-    verify = entry.get("verify_s")
-    if not isinstance(verify, list) or not verify:
-        return None
-    pairs = []
-    for pair in verify:
-        if (not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], int)
-                or isinstance(pair[0], bool) or pair[0] < 1 or not _seconds(pair[1])):
-            return None
-        pairs.append((pair[0], float(pair[1])))
-    if len({n for n, _ in pairs}) != len(pairs):
-        return None
-    step, catch_up = entry.get("draft_step_s"), entry.get("catch_up_s")
-    if (step is not None and not _seconds(step, zero=True)) or (catch_up is not None and not _seconds(catch_up)):
-        return None
-    return Costs(tuple(pairs), draft_step_s=None if step is None else float(step),
-                 catch_up_s=None if catch_up is None else float(catch_up))
