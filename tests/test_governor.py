@@ -781,3 +781,48 @@ def test_a_class_without_rounds_starts_where_the_nearest_class_says_the_text_goe
     keep = 1 - gov.EMA
     assert first.by_match[1] == (1, pytest.approx(keep * lowered * gov.MATCH_PRIOR_TRIALS + 1),
                                  pytest.approx(keep * (1 - lowered) * gov.MATCH_PRIOR_TRIALS), 1)
+
+
+# ---------------------------------------------------------------- the shortest match drafted
+
+def least_by_choose(state: GovernorState) -> int | None:
+    """The shortest match choose drafts on, trying every match length."""
+    return next((m for m in range(2, 129) if choose(state, state.k_max, match=m).k), None)
+
+
+@given(pattern=st.lists(st.sampled_from("+---"), max_size=20).map("".join),
+       rounds=st.lists(st.tuples(st.sampled_from([5, 9, 17, 40]), st.booleans()), max_size=6),
+       verify=st.sampled_from([measured_2t, cpu_like, gpu_like]))
+@settings(max_examples=200, deadline=None)
+def test_least_match_is_the_shortest_match_choose_drafts_on(pattern, rounds, verify):
+    """Over states where it ranges from 2 to none (measured_2t's costs mostly; on cpu_like's and
+    gpu_like's nearly every class drafts)."""
+    s = one_draft_rounds(pattern, verify)
+    for match, held in rounds:
+        s = update(s, k=3, drafted=3, accepted=3 if held else 0, draft_s=0.0, verify_s=verify(4), match=match)
+    assert gov.least_match(s) == least_by_choose(s)
+
+
+def test_new_code_raises_the_least_match_and_a_due_re_check_lowers_it():
+    """On a 2-core CPU's costs a fresh reply drafts on any match; after chance 2-token matches
+    fail, only longer ones; once a re-check is due, any proposal gets one draft."""
+    assert gov.least_match(runner_state()) == 2
+    new = one_draft_rounds("---" * 4)
+    assert gov.least_match(new) > 4
+    due = replace(new, plain_rounds=new.probe_every)
+    assert gov.least_match(due) == 2
+
+
+def test_the_least_match_key_ignores_plain_steps_until_a_re_check_is_due():
+    """The key moves with what a drafted round teaches and with a due re-check, not with a plain
+    step's slightly different timing nor the plain steps counted before the re-check."""
+    s = one_draft_rounds("+--" * 3)
+    plain = dict(s.verify_s)[1]
+    stepped = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=plain * 1.005)
+    assert stepped.plain_rounds == s.plain_rounds + 1 < s.probe_every
+    assert gov.least_match_key(stepped) == gov.least_match_key(s)
+    slower = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=plain * 1.5)
+    assert gov.least_match_key(slower) != gov.least_match_key(s)
+    drafted = update(s, k=1, drafted=1, accepted=1, draft_s=0.0, verify_s=measured_2t(2), match=2)
+    assert gov.least_match_key(drafted) != gov.least_match_key(s)
+    assert gov.least_match_key(replace(s, plain_rounds=s.probe_every)) != gov.least_match_key(s)

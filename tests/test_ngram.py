@@ -323,3 +323,73 @@ def test_the_pool_never_asks_the_model_about_its_gap():
     pool.add([4, 6, 8, 9, 5])
     assert pool.lookup([1, 2], 5, is_stop).tokens == [3]        # the sequence ends before the gap
     assert pool.lookup([4, 6], 5, is_stop).tokens == [8]        # cut before the stop token
+
+
+# ---------------------------------------------------------------- quiet steps
+
+def longest_earlier_suffix(seq: list[int], source: list[int] | None = None) -> int:
+    """The longest suffix of seq that occurs in `source` (default: earlier in seq itself, ending
+    before its last token), by scanning every length and position."""
+    best = 0
+    for n in range(1, len(seq) + 1):
+        suffix = seq[len(seq) - n:]
+        text = seq[:-1] if source is None else source
+        if not any(text[e - n:e] == suffix for e in range(n, len(text) + 1)):
+            break
+        best = n
+    return best
+
+
+def test_a_new_token_leaves_two_quiet_steps_and_a_short_match_more():
+    d = drafter([1, 2, 3, 4, 5, 6, 9])
+    d.lookup(8)  # 9 never occurred: the longest earlier suffix is empty
+    assert d.quiet_steps(2) == 2 and d.quiet_steps(16) == 16
+    d.extend([1, 2])
+    d.lookup(8)  # (1, 2) occurred, (9, 1, 2) did not: a match of 2
+    assert d.quiet_steps(2) == 1 and d.quiet_steps(16) == 14
+
+
+def test_quiet_steps_are_unknown_past_the_longest_ngram_until_a_lookup_bounds_them():
+    seq = [1, 2, 3, 4, 5, 1, 2, 3, 4]
+    d = drafter(seq)
+    d.lookup(8)  # a 4-gram matched, and nothing before bounded how far the match goes
+    assert d.quiet_steps(32) == 1
+    d.extend([7])
+    d.lookup(8)  # 7 is new: bounded again
+    assert d.quiet_steps(32) == 32
+    d.extend([1, 2, 3, 4])
+    d.lookup(8)  # four tokens since: at most 4 agree, and the bound goes on from 0
+    assert d.quiet_steps(32) == 28
+
+
+@given(prompt=st.lists(st.integers(0, 5), max_size=40), reply=st.lists(st.integers(0, 5), max_size=60),
+       pool=st.lists(st.lists(st.integers(0, 5), max_size=30), max_size=3),
+       gaps=st.lists(st.integers(1, 6), min_size=1, max_size=30), least=st.integers(2, 20))
+@settings(max_examples=300, deadline=None)
+def test_no_proposal_that_long_comes_within_the_quiet_steps(prompt, reply, pool, gaps, least):
+    """The promise plain stretches rest on: after a lookup, for quiet_steps(least) - 1 tokens
+    (whatever they are), no lookup proposes a match of `least` or more (the pool's only from
+    POOL_MIN_MATCH on); and the bound behind it is never below the longest earlier suffix."""
+    shared = NgramPool()
+    for seq in pool:
+        shared.add(seq)
+    d = drafter(prompt, pool=shared if pool else None)
+    at, cuts = 0, itertools.cycle(gaps)
+    while at < len(reply):
+        d.lookup(64)
+        tokens = d.tokens
+        assert d._reach.length is None or d._reach.length >= longest_earlier_suffix(tokens)
+        if pool:
+            assert d._pool_reach.length is None or d._pool_reach.length >= longest_earlier_suffix(tokens, shared.tokens)
+        quiet = d.quiet_steps(least)
+        assert quiet >= 1
+        for j in range(1, quiet):  # the tokens a stretch would decode, looked up one by one
+            if at + j > len(reply):
+                break
+            ahead = drafter(tokens + reply[at:at + j], pool=d.pool)
+            assert longest_earlier_suffix(ahead.tokens) < least
+            got = ahead.lookup(64)
+            assert not got.tokens or got.match < least
+        step = next(cuts)
+        d.extend(reply[at:at + step])
+        at += step

@@ -269,3 +269,50 @@ def test_a_reply_ends_where_the_context_ends(tiny_model):
         steps = [s for s in r.stream(prompt, GREEDY, max_tokens=1000) if isinstance(s, Step)]
         assert steps[-1].finish == "length" and len(prompt) + len(steps) < r.ctx.n_ctx  # llama.cpp pads to 256
         assert cache_holds(r.ctx) <= r.ctx.n_ctx
+
+
+
+def _watch_rounds(monkeypatch) -> list[tuple[int, int, int]]:
+    """(k, plain_steps, tokens made) of each native round from now on: the real call, watched."""
+    from edgerun.decode import generate as generate_module
+
+    plans, real_round = [], generate_module._native.round
+
+    def watched(plan, rng):
+        result = real_round(plan, rng)
+        plans.append((plan.k, plan.plain_steps, result.accepted + 1 + len(result.more)))
+        return result
+
+    monkeypatch.setattr(generate_module._native, "round", watched)
+    return plans
+
+
+def test_ngram_replies_decode_plain_stretches_where_no_proposal_can_come(plain, ngram, tiny_model, monkeypatch):
+    """Between proposals the n-gram path decodes several plain tokens in one native call, up to
+    where the drafter could first find a match the governor drafts on; with a fixed k any match
+    drafts, so a stretch is two tokens, after one that never occurred before. The same tokens
+    as plain decoding, and no token of a stretch but its last could have been drafted on. The
+    governor as a user gets it (costs timed at load) stretches too."""
+    from edgerun.decode.ngram import NgramDrafter
+
+    _, want = _reply(plain, max_tokens=200)
+    plans = _watch_rounds(monkeypatch)
+    records, got = _reply(ngram, max_tokens=200)
+    assert _tokens(got) == _tokens(want)
+    assert len([r for r in records if isinstance(r, Round)]) == len(plans)
+    assert sum(r.drafted for r in records if isinstance(r, Round)) > 0
+    stretches = [(at, made) for at, (k, steps, made) in zip(np.cumsum([0] + [p[2] for p in plans]), plans)
+                 if k == 0 and steps > 1]
+    assert stretches and all(made <= 2 for _, made in stretches)
+    text = ngram.chat_tokens(PROMPT) + _tokens(got)
+    first = len(text) - len(got)  # the reply's first token, picked from the prompt's logits
+    for at, made in stretches:
+        for j in range(1, made):  # the stretch's tokens but its last: none was looked up
+            d = NgramDrafter()
+            d.reset(text[: first + 1 + at + j])
+            assert d.lookup(K).tokens == []
+    plans.clear()
+    with Runner(tiny_model, ENGINE, ngram=True) as governed:
+        _, got = _reply(governed, max_tokens=200)
+    assert _tokens(got) == _tokens(want)
+    assert any(k == 0 and steps > 1 for k, steps, _ in plans)

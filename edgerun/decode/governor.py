@@ -425,6 +425,30 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
                     f"k={best_k}: {best:.1f} vs plain {plain:.1f} tok/s expected (acceptance {state.alpha:.0%})")
 
 
+def least_match(state: GovernorState) -> int | None:
+    """The shortest match an n-gram proposal needs for choose to draft on it (None: no class
+    drafts now), priced as a proposal at its longest: no more drafts than k_max, none cold,
+    more to copy after it. The n-gram path decodes plain up to where a match that long could
+    first appear (NgramDrafter.quiet_steps). One choose per class, from the shortest."""
+    for bucket in range(MATCH_BUCKETS):
+        match = 2 ** (bucket + 1)
+        if choose(state, state.k_max, match=match).k > 0:
+            return match
+    return None
+
+
+def least_match_key(state: GovernorState) -> tuple:
+    """What least_match depends on, with the plain step's cost to about 2%: between drafted
+    rounds only that cost moves (a little at each plain step) and the count towards the next
+    re-check, which matters only once it is due. A key to keep least_match's answer by (it
+    costs up to six choose calls, 0.5 ms on the 2-core CPU)."""
+    table = dict(state.verify_s)
+    plain = table.pop(1, None)
+    due = state.plain_rounds >= state.probe_every
+    rest = replace(state, verify_s=tuple(sorted(table.items())), plain_rounds=int(due), probe_every=1)
+    return rest, None if plain is None else round(math.log(plain) * 50)
+
+
 def given_up(state: GovernorState, k_cap: int = K_MAX) -> Decision | None:
     """The decision to give up on the draft (kind HOPELESS or COSTLY) when the measured costs rule
     drafting out without a re-check, or None. Plain decoding wins at the acceptance believed now,

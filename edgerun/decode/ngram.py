@@ -15,7 +15,14 @@ A copy in progress goes on from where it is: the drafter remembers where its las
 from, and while the tokens since then are what followed there, the next proposal continues at
 that place. The latest occurrence of the suffix n-gram is often elsewhere (code repeats lines
 like `config.setdefault("`, and the reply itself is indexed too), and a proposal from there
-matches a few tokens and runs a few; of the two, the longer match is proposed."""
+matches a few tokens and runs a few; of the two, the longer match is proposed.
+
+Between lookups, how long a match can grow is bounded: every match is part of the longest
+suffix of the tokens that occurred earlier, and that suffix grows by at most one token a step.
+So with it L tokens long now, no proposal matching m tokens or more can come in the next
+m - L - 1 steps (quiet_steps), which plain decoding may take in one native call. The index gives
+L exactly while it is shorter than n_max (the longest suffix n-gram found is then the longest
+suffix that occurred at all); past that the bound goes on from the last exact one, one a step."""
 
 from __future__ import annotations
 
@@ -49,11 +56,13 @@ class _Index:
     def __init__(self, tokens: list[int], n_max: int, n_min: int):
         self.tokens, self.n_max, self.n_min = tokens, n_max, n_min
         self.last_end: dict[tuple[int, ...], int] = {}
+        self.seen: set[int] = set()  # the single tokens up to `indexed` (a match's first token: see _Reach)
         self.indexed = 0  # n-grams ending at or before this position are in the index
 
     def index_until(self, end: int) -> None:
-        tokens, last_end = self.tokens, self.last_end
+        tokens, last_end, seen = self.tokens, self.last_end, self.seen
         for e in range(self.indexed + 1, end + 1):
+            seen.add(tokens[e - 1])
             for n in range(self.n_min, min(self.n_max, e) + 1):
                 last_end[tuple(tokens[e - n : e])] = e
         self.indexed = max(self.indexed, end)
@@ -82,6 +91,34 @@ class _Index:
             return Proposal([])
         m = self._agreeing(seq, end)
         return Proposal(self.tokens[end : end + k], m, end) if m >= self.n_min else Proposal([])
+
+
+class _Reach:
+    """An upper bound on the longest suffix of the drafter's tokens that occurs in one index: how
+    long a match from there can be (see the module's docstring). Unknown until a lookup finds it
+    shorter than the index's n_max."""
+
+    def __init__(self):
+        self.length: int | None = None  # the bound at `at` tokens
+        self.at = 0
+
+    def see(self, index: _Index, seq: list[int], found: Proposal) -> None:
+        """Take the bound from a lookup of seq's suffix in `index` (find's result, before any cut)."""
+        if found.match == 0:  # no n_min-gram: the last token alone, if it occurred
+            length = index.n_min - 1 if seq[-1] in index.seen else 0
+        elif found.match < index.n_max:  # the next longer suffix n-gram never occurred
+            length = found.match
+        elif self.length is not None:
+            length = max(found.match, self.length + len(seq) - self.at)
+        else:
+            length = None
+        self.length, self.at = length, len(seq)
+
+    def steps(self, least: int, now: int) -> int:
+        """Steps from `now` tokens on before a match of `least` tokens or more could be found."""
+        if self.length is None:
+            return 1
+        return max(1, least - (self.length + now - self.at))
 
 
 def _before_gap(found: Proposal) -> Proposal:
@@ -115,6 +152,7 @@ class NgramDrafter:
         self._index = _Index(self.tokens, self.n_max, self.n_min)
         # where the last proposal came from: (the index it came from, its start, len(tokens) then)
         self._source: tuple[_Index, int, int] | None = None
+        self._reach, self._pool_reach = _Reach(), _Reach()  # in the conversation, in the pool
 
     def extend(self, tokens: Iterable[int]) -> None:
         self.tokens.extend(tokens)
@@ -132,16 +170,28 @@ class NgramDrafter:
         # the suffix itself (ending at len(tokens)) stays out, so a lookup finds an earlier one
         self._index.index_until(len(seq) - 1)
         own, at = self._index.find(seq, k), self._index
+        self._reach.see(at, seq, own)
         going = self._going_on(seq, k)
         if going is not None and going[0].match > own.match:
             own, at = going
         own = _cut(own, self.is_stop)
         if self.pool is not None and own.match < MATCH_MAX:
-            other = self.pool.lookup(seq, k, self.is_stop)
+            found = self.pool._index.find(seq, k)
+            self._pool_reach.see(self.pool._index, seq, found)
+            other = _cut(_before_gap(found), self.is_stop)
             if other.tokens and other.match >= POOL_MIN_MATCH and other.match > own.match:
                 own, at = other, self.pool._index
         self._source = (at, own.start, len(seq)) if own.tokens else None
         return own
+
+    def quiet_steps(self, least: int) -> int:
+        """Steps from now (at least one) before a proposal matching `least` tokens or more could
+        come, as the last lookup bounded the matches: plain decoding may take them in one go."""
+        now = len(self.tokens)
+        steps = self._reach.steps(least, now)
+        if self.pool is not None:
+            steps = min(steps, self._pool_reach.steps(max(least, POOL_MIN_MATCH), now))
+        return steps
 
     def _going_on(self, seq: list[int], k: int) -> tuple[Proposal, _Index] | None:
         """The last proposal's source, moved past the tokens that came since (when they are what

@@ -129,6 +129,7 @@ class Speculator:
         self.mode = Mode.DRAFTING if cfg.draft is not None else Mode.PLAIN
         self.off_why: Decision | None = None  # the give-up, while the mode is PLAIN for a model draft
         self._planned = _Planned("none", NO_DRAFTER)
+        self._least: tuple[tuple, int | None] | None = None  # (key, answer): see _least_match
 
     @property
     def governed(self) -> bool:
@@ -180,15 +181,32 @@ class Speculator:
         return committed[keep:] + [last], keep, catch_up
 
     def _plain_steps(self, remaining: int) -> int:
-        """How many plain tokens one native call may decode: one while an n-gram match could start
-        at any token; up to the governor's next re-check of a losing draft; else PLAIN_STEPS."""
-        if self.ngram:
-            return 1
+        """How many plain tokens one native call may decode: PLAIN_STEPS, but one while the model
+        draft may draft at the next token, and no further than a governor's next re-check of a
+        losing draft, nor than where the n-gram drafter could first find a proposal the governor
+        would draft (a match of least_match tokens: NgramDrafter.quiet_steps)."""
         steps = PLAIN_STEPS
-        if self.mode is Mode.PROBE_DUE:
+        if self.cfg.draft is not None and self.mode is Mode.DRAFTING:
+            steps = 1
+        elif self.mode is Mode.PROBE_DUE:
             state = self.memory.get("model")
             steps = min(steps, max(1, state.probe_every - state.plain_rounds))
+        if self.ngram:
+            state = self.memory.get("ngram")
+            if state.plain_rounds < state.probe_every:  # where a re-check falls due, least_match falls
+                steps = min(steps, state.probe_every - state.plain_rounds)
+            least = self.ngram.n_min if self.cfg.k is not None else self._least_match()  # a fixed k drafts any
+            if least is not None:
+                steps = min(steps, self.ngram.quiet_steps(least))
         return max(1, min(steps, remaining))
+
+    def _least_match(self) -> int | None:
+        """governor.least_match of the n-gram governor, worked out again only when its key moves."""
+        state = self.memory.get("ngram")
+        key = governor.least_match_key(state)
+        if self._least is None or self._least[0] != key:
+            self._least = (key, governor.least_match(state))
+        return self._least[1]
 
     def _settled(self) -> bool:
         """No drafter will propose again in this reply: none, or a model draft given up."""
@@ -281,8 +299,8 @@ class Speculator:
         drafts, accepted, more = result.drafts, result.accepted, result.more
         if planned.drafter == "model" and planned.decision.k > 0:
             self.cfg.draft.commit(self.seq, result.draft)
-        if self.ngram:
-            self.ngram.extend(drafts[:accepted])
+        if self.ngram:  # what came before the round's last token (the next plan adds that one)
+            self.ngram.extend([*drafts[:accepted], result.next, *result.more][:-1])
         steps = 1 + len(more)
         # a round without drafts is a plain step: every governor learns the plain cost from it.
         # The draft's catch-up (the prompt, or tokens made while it was off) is prefill work, not
