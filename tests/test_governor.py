@@ -815,14 +815,13 @@ def test_new_code_raises_the_least_match_and_a_due_re_check_lowers_it():
 
 def test_the_least_match_key_ignores_plain_steps_until_a_re_check_is_due():
     """The key moves with what a drafted round teaches and with a due re-check, not with a plain
-    step's slightly different timing nor the plain steps counted before the re-check."""
+    step's timing (plain_cost, which the caller compares within LEAST_DRIFT) nor with the plain
+    steps counted before the re-check."""
     s = one_draft_rounds("+--" * 3)
-    plain = dict(s.verify_s)[1]
-    stepped = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=plain * 1.005)
+    stepped = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=gov.plain_cost(s) * 1.5)
     assert stepped.plain_rounds == s.plain_rounds + 1 < s.probe_every
     assert gov.least_match_key(stepped) == gov.least_match_key(s)
-    slower = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=plain * 1.5)
-    assert gov.least_match_key(slower) != gov.least_match_key(s)
+    assert gov.plain_cost(stepped) > gov.plain_cost(s)
     drafted = update(s, k=1, drafted=1, accepted=1, draft_s=0.0, verify_s=measured_2t(2), match=2)
     assert gov.least_match_key(drafted) != gov.least_match_key(s)
     assert gov.least_match_key(replace(s, plain_rounds=s.probe_every)) != gov.least_match_key(s)

@@ -22,6 +22,7 @@ MATCH_PRIOR_TRIALS = 2.0  # a match class's prior acceptance is worth this many 
 PROBE_FIRST = 8      # plain rounds before re-checking a draft that lost
 PROBE_MAX = 256      # ... growing up to this while it keeps losing
 PROBE_COST_MAX = 0.02  # a re-check may cost at most this share of plain decoding time in draft catch-up
+LEAST_DRIFT = 1.1    # least_match's answer holds while the plain step's cost stays within this factor
 BLOCK = 4            # llama.cpp's CPU matmul takes a batch's rows this many at a time (see lone_row)
 TILE = 16            # ... and, for weights it does not repack, this many rows per chunk (see curve)
 WARM_ROUNDS = 3      # drafted rounds measured before costs may rule a GPU draft out (first shapes run cold)
@@ -438,15 +439,18 @@ def least_match(state: GovernorState) -> int | None:
 
 
 def least_match_key(state: GovernorState) -> tuple:
-    """What least_match depends on, with the plain step's cost to about 2%: between drafted
-    rounds only that cost moves (a little at each plain step) and the count towards the next
-    re-check, which matters only once it is due. A key to keep least_match's answer by (it
-    costs up to six choose calls, 0.5 ms on the 2-core CPU)."""
-    table = dict(state.verify_s)
-    plain = table.pop(1, None)
-    due = state.plain_rounds >= state.probe_every
-    rest = replace(state, verify_s=tuple(sorted(table.items())), plain_rounds=int(due), probe_every=1)
-    return rest, None if plain is None else round(math.log(plain) * 50)
+    """What least_match depends on but the plain step's cost, which moves a little at every plain
+    step (the caller keeps the answer while that cost stays within LEAST_DRIFT): a key to keep
+    least_match's answer by within a reply (it costs up to six choose calls, 0.7 ms in a 1.5B
+    reply on the 2-core CPU). The rest of what choose reads changes only with a drafted round
+    (update: its size's cost, the bias ratios, the match classes), with the first timing of a
+    size, when the plain step is first timed in place, and when a re-check falls due."""
+    return (state.drafted_rounds, state.verify_seen, state.plain_from_load, state.plain_rounds >= state.probe_every)
+
+
+def plain_cost(state: GovernorState) -> float | None:
+    """The plain step's cost as the state has it (None before any timing)."""
+    return dict(state.verify_s).get(1)
 
 
 def given_up(state: GovernorState, k_cap: int = K_MAX) -> Decision | None:

@@ -129,7 +129,7 @@ class Speculator:
         self.mode = Mode.DRAFTING if cfg.draft is not None else Mode.PLAIN
         self.off_why: Decision | None = None  # the give-up, while the mode is PLAIN for a model draft
         self._planned = _Planned("none", NO_DRAFTER)
-        self._least: tuple[tuple, int | None] | None = None  # (key, answer): see _least_match
+        self._least: tuple | None = None  # (key, plain step's cost, answer): see _least_match
 
     @property
     def governed(self) -> bool:
@@ -180,11 +180,11 @@ class Speculator:
             self.memory.put("model", governor.caught_up(self.memory.get("model"), lag, catch_up))
         return committed[keep:] + [last], keep, catch_up
 
-    def _plain_steps(self, remaining: int) -> int:
+    def _plain_steps(self, remaining: int, least: int | None) -> int:
         """How many plain tokens one native call may decode: PLAIN_STEPS, but one while the model
         draft may draft at the next token, and no further than a governor's next re-check of a
         losing draft, nor than where the n-gram drafter could first find a proposal the governor
-        would draft (a match of least_match tokens: NgramDrafter.quiet_steps)."""
+        would draft (a match of `least` tokens: NgramDrafter.quiet_steps)."""
         steps = PLAIN_STEPS
         if self.cfg.draft is not None and self.mode is Mode.DRAFTING:
             steps = 1
@@ -195,18 +195,23 @@ class Speculator:
             state = self.memory.get("ngram")
             if state.plain_rounds < state.probe_every:  # where a re-check falls due, least_match falls
                 steps = min(steps, state.probe_every - state.plain_rounds)
-            least = self.ngram.n_min if self.cfg.k is not None else self._least_match()  # a fixed k drafts any
             if least is not None:
                 steps = min(steps, self.ngram.quiet_steps(least))
         return max(1, min(steps, remaining))
 
     def _least_match(self) -> int | None:
-        """governor.least_match of the n-gram governor, worked out again only when its key moves."""
+        """The shortest match the n-gram drafter drafts on: any with a fixed k; else
+        governor.least_match, worked out again only when its key moves."""
+        if self.cfg.k is not None:
+            return self.ngram.n_min
         state = self.memory.get("ngram")
-        key = governor.least_match_key(state)
-        if self._least is None or self._least[0] != key:
-            self._least = (key, governor.least_match(state))
-        return self._least[1]
+        key, plain = governor.least_match_key(state), governor.plain_cost(state)
+        if self._least is not None and self._least[0] == key:
+            then = self._least[1]
+            if plain is not None and then is not None and then / governor.LEAST_DRIFT <= plain <= then * governor.LEAST_DRIFT:
+                return self._least[2]
+        self._least = (key, plain, governor.least_match(state))
+        return self._least[2]
 
     def _settled(self) -> bool:
         """No drafter will propose again in this reply: none, or a model draft given up."""
@@ -242,10 +247,17 @@ class Speculator:
         plan.history = self.sampling.penalty_window(committed, last)
         plan.grammar = self.grammar
         plan.picked = self.target.picks_on_device  # settled before the prompt (settle_sampler)
+        least = None  # the shortest match the n-gram drafter drafts on (None: none, or no n-gram drafter)
         if self.ngram:
             self.ngram.extend([last])
             # a proposal runs as far as the earlier text does (up to the most one round may take)
             proposal = self.ngram.lookup(self.cfg.k or governor.K_MAX_NGRAM)
+            least = self._least_match()
+            if proposal.tokens and (least is None or proposal.match < least):
+                # a class that drafts on no proposal, however long, drafts on none: not priced
+                short = Decision(Kind.PLAIN, 0, f"no draft on a {proposal.match}-token match")
+                self._planned = _Planned("ngram", short, match=proposal.match)
+                return self._plain(plan, remaining, least)
             if proposal.tokens:
                 # the governor drafts nothing past the reply's token budget (never shown); a fixed k is the user's
                 budget = len(proposal.tokens) if self.cfg.k is not None else min(len(proposal.tokens), max(1, remaining))
@@ -257,7 +269,7 @@ class Speculator:
                                         cold=cold)
                 self._planned = _Planned("ngram", decision, match=proposal.match, cold=decision.k + 1 in cold)
                 if decision.k == 0:
-                    return self._plain(plan, remaining)
+                    return self._plain(plan, remaining, least)
                 plan.k, plan.proposals = decision.k, proposal.tokens[: decision.k]
                 # drafts verify after a decode of `last` left in flight, if any: its row checks the first
                 plan.in_flight = self.target.in_flight(self.seq)
@@ -267,14 +279,14 @@ class Speculator:
                 return plan
         if self.cfg.draft is None or self.mode is Mode.PLAIN:
             self._planned = _Planned("model", self.off_why) if self.off_why else _Planned("none", NO_DRAFTER)
-            return self._plain(plan, remaining)
+            return self._plain(plan, remaining, least)
         keep = self.cfg.draft.shared_prefix(committed, self.seq)  # once per round: O(context)
         decision = self._choose("model", None, remaining, lag=len(committed) - keep)
         if self.governed:
             self._set_mode(decision)
         if decision.k == 0:
             self._planned = _Planned("model", decision)
-            return self._plain(plan, remaining)
+            return self._plain(plan, remaining, least)
         self.target.land(self.seq)  # a drafting round decodes `last` itself: drop one left in flight
         feed, n_past, catch_up = self._prepare_draft(last, keep)
         self._planned = _Planned("model", decision, catch_up)
@@ -282,8 +294,8 @@ class Speculator:
         plan.stable_shapes = self.stable_shapes
         return plan
 
-    def _plain(self, plan: _native.RoundPlan, remaining: int) -> _native.RoundPlan:
-        steps = self._plain_steps(remaining)
+    def _plain(self, plan: _native.RoundPlan, remaining: int, least: int | None) -> _native.RoundPlan:
+        steps = self._plain_steps(remaining, least)
         plan.plain_steps, plan.in_flight = steps, self.target.in_flight(self.seq)
         # an n-gram lookup needs no logits of earlier steps, and a round of its proposals verifies
         # after a decode left in flight: each single step's decode runs while Python looks up the
