@@ -285,6 +285,7 @@ def test_round_host_scenario_on_the_tiny_model(tiny_model, tmp_path, capsys):
     assert [(r["prompt"], r["side"]) for r in doc["rows"]] == [("code-edit", "plain"), ("code-edit", "ngram")]
     worst = max(r["host_share"]["max"] for r in doc["rows"])
     assert 0 <= worst < 1 and doc["claims"][0]["median"] == worst
+    assert all(0 < r["calls_per_token"] <= 1 for r in doc["rows"])  # a call makes one token or more
 
 
 def test_llama_cpp_python_scenario_on_the_tiny_model(tiny_model, tmp_path, capsys):

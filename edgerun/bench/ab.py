@@ -251,7 +251,7 @@ def _metrics(stats) -> dict[str, float]:
     return {"ttft_s": stats.ttft_s, "tpot_s": stats.tpot_s, "decode_tok_s": stats.decode_tok_s,
             "prompt_tok_s": stats.prompt_tok_s, "prompt_tokens": stats.prompt_tokens,
             "generated_tokens": stats.generated_tokens, "drafted": stats.drafted,
-            "accepted": stats.accepted, "draft_rounds": sum(stats.accepted_hist.values()),
+            "accepted": stats.accepted, "draft_rounds": sum(stats.accepted_hist.values()), "rounds": stats.rounds,
             # decode wall time and the part of it inside the native round: the rest is host time
             "decode_s": stats.last_t - stats.ttft_s, "in_round_s": stats.draft_s + stats.verify_s}
 

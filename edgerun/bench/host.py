@@ -49,9 +49,13 @@ def measure(args: argparse.Namespace, say) -> dict:
             runs = [r.metrics for r in result.runs if r.prompt == p.name and r.config == side]
             shares = [host_share(m) for m in runs]
             per_token = [(m["decode_s"] - m["in_round_s"]) / max(m["generated_tokens"] - 1, 1) for m in runs]
+            # native calls a token after the first (picked from the prompt's logits): a plain
+            # stretch or a round of drafts makes several tokens in one
+            calls = [m["rounds"] / max(m["generated_tokens"] - 1, 1) for m in runs]
             rows.append({"prompt": p.name, "side": side, "decode_tok_s": statistics.median(m["decode_tok_s"] for m in runs),
                          "host_share": {"median": statistics.median(shares), "max": max(shares)},
-                         "host_us_per_token": statistics.median(per_token) * 1e6})
+                         "host_us_per_token": statistics.median(per_token) * 1e6,
+                         "calls_per_token": statistics.median(calls)})
     worst = max(r["host_share"]["max"] for r in rows)
     settings = {"model": args.model, "prompts": [p.name for p in prompts], "max_tokens": args.max_tokens,
                 "repeat": args.repeat, "threads": args.threads, "gpu_layers": args.gpu_layers, "temperature": 0.0}
@@ -60,10 +64,13 @@ def measure(args: argparse.Namespace, say) -> dict:
 
 
 def report(doc: dict) -> str:
-    rows = [["prompt", "side", "decode tok/s", "host share (median)", "host share (max)", "host us/token"]]
+    rows = [["prompt", "side", "decode tok/s", "host share (median)", "host share (max)", "host us/token",
+             "calls/token"]]
     for r in doc["rows"]:
+        calls = r.get("calls_per_token")  # not in files written before it was measured
         rows.append([r["prompt"], r["side"], f"{r['decode_tok_s']:.1f}", f"{r['host_share']['median']:.2%}",
-                     f"{r['host_share']['max']:.2%}", f"{r['host_us_per_token']:.0f}"])
+                     f"{r['host_share']['max']:.2%}", f"{r['host_us_per_token']:.0f}",
+                     "-" if calls is None else f"{calls:.2f}"])
     s = doc["settings"]
     return "\n".join([f"{s['model']}, {s['max_tokens']} tokens, {s['repeat']} repeats, greedy", "", *align(rows)])
 
