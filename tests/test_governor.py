@@ -825,3 +825,6 @@ def test_the_least_match_key_ignores_plain_steps_until_a_re_check_is_due():
     drafted = update(s, k=1, drafted=1, accepted=1, draft_s=0.0, verify_s=measured_2t(2), match=2)
     assert gov.least_match_key(drafted) != gov.least_match_key(s)
     assert gov.least_match_key(replace(s, plain_rounds=s.probe_every)) != gov.least_match_key(s)
+    assert gov.least_match_holds(0.02, 0.021) and gov.least_match_holds(0.02, 0.0185)
+    assert not gov.least_match_holds(0.02, 0.0225) and not gov.least_match_holds(0.02, 0.0175)
+    assert not gov.least_match_holds(None, 0.02)  # worked out before the plain step was timed

@@ -453,6 +453,11 @@ def plain_cost(state: GovernorState) -> float | None:
     return dict(state.verify_s).get(1)
 
 
+def least_match_holds(then: float | None, now: float | None) -> bool:
+    """A least_match answer worked out at plain cost `then` still holds at `now` (LEAST_DRIFT)."""
+    return then is not None and now is not None and then / LEAST_DRIFT <= now <= then * LEAST_DRIFT
+
+
 def given_up(state: GovernorState, k_cap: int = K_MAX) -> Decision | None:
     """The decision to give up on the draft (kind HOPELESS or COSTLY) when the measured costs rule
     drafting out without a re-check, or None. Plain decoding wins at the acceptance believed now,

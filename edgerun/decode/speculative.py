@@ -206,11 +206,8 @@ class Speculator:
             return self.ngram.n_min
         state = self.memory.get("ngram")
         key, plain = governor.least_match_key(state), governor.plain_cost(state)
-        if self._least is not None and self._least[0] == key:
-            then = self._least[1]
-            if plain is not None and then is not None and then / governor.LEAST_DRIFT <= plain <= then * governor.LEAST_DRIFT:
-                return self._least[2]
-        self._least = (key, plain, governor.least_match(state))
+        if self._least is None or self._least[0] != key or not governor.least_match_holds(self._least[1], plain):
+            self._least = (key, plain, governor.least_match(state))
         return self._least[2]
 
     def _settled(self) -> bool:
