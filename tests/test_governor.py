@@ -794,13 +794,20 @@ def least_by_choose(state: GovernorState) -> int | None:
        rounds=st.lists(st.tuples(st.sampled_from([5, 9, 17, 40]), st.booleans()), max_size=6),
        verify=st.sampled_from([measured_2t, cpu_like, gpu_like]))
 @settings(max_examples=200, deadline=None)
-def test_least_match_is_the_shortest_match_choose_drafts_on(pattern, rounds, verify):
+def test_no_match_under_least_match_is_drafted_and_it_is_the_shortest_drafted_class(pattern, rounds, verify):
     """Over states where it ranges from 2 to none (measured_2t's costs mostly; on cpu_like's and
-    gpu_like's nearly every class drafts)."""
+    gpu_like's nearly every class drafts): choose drafts on no shorter match, and least_match is
+    the shortest class whose best k beats plain (choose may still give the drafter up there)."""
     s = one_draft_rounds(pattern, verify)
     for match, held in rounds:
         s = update(s, k=3, drafted=3, accepted=3 if held else 0, draft_s=0.0, verify_s=verify(4), match=match)
-    assert gov.least_match(s) == least_by_choose(s)
+    least, drafted = gov.least_match(s), least_by_choose(s)
+    assert drafted is None or (least is not None and least <= drafted)
+    assert not any(choose(s, s.k_max, match=m).k for m in range(2, least or 129))
+    plain = gov.rate(s, 0)
+    classes = [m for m in (2, 4, 8, 16, 32, 64)
+               if gov._best(gov.for_match(s, m), min(s.k_max, gov.explore_cap(s)), plain)[0] > 0]
+    assert least == (classes[0] if classes else None)
 
 
 def test_new_code_raises_the_least_match_and_a_due_re_check_lowers_it():

@@ -427,13 +427,21 @@ def choose(state: GovernorState, available: int | None = None, *, lag: int = 0,
 
 
 def least_match(state: GovernorState) -> int | None:
-    """The shortest match an n-gram proposal needs for choose to draft on it (None: no class
-    drafts now), priced as a proposal at its longest: no more drafts than k_max, none cold,
-    more to copy after it. The n-gram path decodes plain up to where a match that long could
-    first appear (NgramDrafter.quiet_steps). One choose per class, from the shortest."""
+    """The shortest match on which choose may draft an n-gram proposal now (None: on none),
+    priced as a proposal at its longest: no more drafts than k_max, none cold, more to copy after
+    it. Never above the shortest match choose drafts on (what it leaves out, giving up on the
+    drafter, only ever says k = 0), so a proposal matching less is never one choose would draft.
+    The n-gram path decodes plain up to where a match that long could first appear
+    (NgramDrafter.quiet_steps). One _best per match class, from the shortest."""
+    plain = rate(state, 0)
+    if plain is None or (state.plain_from_load and not state.hopeful):
+        return None  # choose times a plain step first, whatever the proposal
+    if not _draft_measured(state) or state.plain_rounds >= state.probe_every:
+        return 2  # a round that measures the draft, or a re-check, on any proposal
+    k_cap = min(state.k_max, explore_cap(state))
     for bucket in range(MATCH_BUCKETS):
         match = 2 ** (bucket + 1)
-        if choose(state, state.k_max, match=match).k > 0:
+        if _best(for_match(state, match), k_cap, plain)[0] > 0:
             return match
     return None
 
