@@ -449,10 +449,10 @@ def least_match(state: GovernorState) -> int | None:
 def least_match_key(state: GovernorState) -> tuple:
     """What least_match depends on but the plain step's cost, which moves a little at every plain
     step (the caller keeps the answer while that cost stays within LEAST_DRIFT): a key to keep
-    least_match's answer by within a reply (it costs up to six choose calls, 0.7 ms in a 1.5B
-    reply on the 2-core CPU). The rest of what choose reads changes only with a drafted round
-    (update: its size's cost, the bias ratios, the match classes), with the first timing of a
-    size, when the plain step is first timed in place, and when a re-check falls due."""
+    least_match's answer by within a reply (it costs up to six _best calls). The rest of what
+    it reads changes only with a drafted round (update: its size's cost, the bias ratios, the
+    match classes), with the first timing of a size, when the plain step is first timed in
+    place, and when a re-check falls due."""
     return (state.drafted_rounds, state.verify_seen, state.plain_from_load, state.plain_rounds >= state.probe_every)
 
 
