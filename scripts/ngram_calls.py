@@ -26,9 +26,9 @@ from edgerun.settings import EngineSettings
 STRETCHED = speculative.Speculator._plain_steps
 
 
-def _one_a_call(self, remaining: int) -> int:
+def _one_a_call(self, remaining: int, kept) -> int:
     """The n-gram path's plain calls as before the stretches: one token each."""
-    return 1 if self.ngram else STRETCHED(self, remaining)
+    return 1 if self.ngram else STRETCHED(self, remaining, kept)
 
 
 def main() -> None:

@@ -103,7 +103,7 @@ class _Reach:
         self.at = 0
 
     def see(self, index: _Index, seq: list[int], found: Proposal) -> None:
-        """Take the bound from a lookup of seq's suffix in `index` (find's result, before any cut)."""
+        """Take the bound from a lookup of seq's suffix in `index` (its match: a cut proposal keeps it)."""
         if found.match == 0:  # no n_min-gram: the last token alone, if it occurred
             length = index.n_min - 1 if seq[-1] in index.seen else 0
         elif found.match < index.n_max:  # the next longer suffix n-gram never occurred
@@ -176,9 +176,8 @@ class NgramDrafter:
             own, at = going
         own = _cut(own, self.is_stop)
         if self.pool is not None and own.match < MATCH_MAX:
-            found = self.pool._index.find(seq, k)
-            self._pool_reach.see(self.pool._index, seq, found)
-            other = _cut(_before_gap(found), self.is_stop)
+            other = self.pool.lookup(seq, k, self.is_stop)
+            self._pool_reach.see(self.pool._index, seq, other)  # a cut keeps the match
             if other.tokens and other.match >= POOL_MIN_MATCH and other.match > own.match:
                 own, at = other, self.pool._index
         self._source = (at, own.start, len(seq)) if own.tokens else None

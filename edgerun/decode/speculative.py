@@ -180,11 +180,12 @@ class Speculator:
             self.memory.put("model", governor.caught_up(self.memory.get("model"), lag, catch_up))
         return committed[keep:] + [last], keep, catch_up
 
-    def _plain_steps(self, remaining: int) -> int:
+    def _plain_steps(self, remaining: int, kept: tuple[bool, int | None]) -> int:
         """How many plain tokens one native call may decode: PLAIN_STEPS, but one while the model
         draft may draft at the next token, and no further than a governor's next re-check of a
         losing draft, nor than where the n-gram drafter could first find a proposal the governor
-        may draft (a match of least_match tokens: NgramDrafter.quiet_steps)."""
+        may draft (a match of least_match tokens: NgramDrafter.quiet_steps). `kept`: what
+        _kept_least said at this plan."""
         steps = PLAIN_STEPS
         if self.cfg.draft is not None and self.mode is Mode.DRAFTING:
             steps = 1
@@ -195,7 +196,7 @@ class Speculator:
             state = self.memory.get("ngram")
             if state.plain_rounds < state.probe_every:  # where a re-check falls due, least_match falls
                 steps = min(steps, state.probe_every - state.plain_rounds)
-            least = self._least_match()
+            least = self._least_match(kept)
             if least is not None:
                 steps = min(steps, self.ngram.quiet_steps(least))
         return max(1, min(steps, remaining))
@@ -212,11 +213,12 @@ class Speculator:
             return True, kept[2]
         return False, None
 
-    def _least_match(self) -> int | None:
+    def _least_match(self, kept: tuple[bool, int | None]) -> int | None:
         """The shortest match the n-gram drafter may draft on, worked out again (governor.least_match)
         where the kept answer no longer holds. Only a plain call asks for it so: a copy in progress
-        drafts round after round, each a drafted round that changes the key."""
-        good, least = self._kept_least()
+        drafts round after round, each a drafted round that changes the key. `kept`: what
+        _kept_least said at this plan."""
+        good, least = kept
         if not good:
             state = self.memory.get("ngram")
             least = governor.least_match(state)
@@ -257,16 +259,18 @@ class Speculator:
         plan.history = self.sampling.penalty_window(committed, last)
         plan.grammar = self.grammar
         plan.picked = self.target.picks_on_device  # settled before the prompt (settle_sampler)
+        kept = (True, None)  # the kept least_match answer (_kept_least), asked once a plan
         if self.ngram:
             self.ngram.extend([last])
             # a proposal runs as far as the earlier text does (up to the most one round may take)
             proposal = self.ngram.lookup(self.cfg.k or governor.K_MAX_NGRAM)
-            known, least = self._kept_least()
+            kept = self._kept_least()
+            known, least = kept
             if proposal.tokens and known and (least is None or proposal.match < least):
                 # a class that drafts on no proposal, however long, drafts on none: not priced
                 short = Decision(Kind.PLAIN, 0, f"no draft on a {proposal.match}-token match")
                 self._planned = _Planned("ngram", short, match=proposal.match)
-                return self._plain(plan, remaining)
+                return self._plain(plan, remaining, kept)
             if proposal.tokens:
                 # the governor drafts nothing past the reply's token budget (never shown); a fixed k is the user's
                 budget = len(proposal.tokens) if self.cfg.k is not None else min(len(proposal.tokens), max(1, remaining))
@@ -278,7 +282,7 @@ class Speculator:
                                         cold=cold)
                 self._planned = _Planned("ngram", decision, match=proposal.match, cold=decision.k + 1 in cold)
                 if decision.k == 0:
-                    return self._plain(plan, remaining)
+                    return self._plain(plan, remaining, kept)
                 plan.k, plan.proposals = decision.k, proposal.tokens[: decision.k]
                 # drafts verify after a decode of `last` left in flight, if any: its row checks the first
                 plan.in_flight = self.target.in_flight(self.seq)
@@ -288,14 +292,14 @@ class Speculator:
                 return plan
         if self.cfg.draft is None or self.mode is Mode.PLAIN:
             self._planned = _Planned("model", self.off_why) if self.off_why else _Planned("none", NO_DRAFTER)
-            return self._plain(plan, remaining)
+            return self._plain(plan, remaining, kept)
         keep = self.cfg.draft.shared_prefix(committed, self.seq)  # once per round: O(context)
         decision = self._choose("model", None, remaining, lag=len(committed) - keep)
         if self.governed:
             self._set_mode(decision)
         if decision.k == 0:
             self._planned = _Planned("model", decision)
-            return self._plain(plan, remaining)
+            return self._plain(plan, remaining, kept)
         self.target.land(self.seq)  # a drafting round decodes `last` itself: drop one left in flight
         feed, n_past, catch_up = self._prepare_draft(last, keep)
         self._planned = _Planned("model", decision, catch_up)
@@ -303,8 +307,8 @@ class Speculator:
         plan.stable_shapes = self.stable_shapes
         return plan
 
-    def _plain(self, plan: _native.RoundPlan, remaining: int) -> _native.RoundPlan:
-        steps = self._plain_steps(remaining)
+    def _plain(self, plan: _native.RoundPlan, remaining: int, kept: tuple[bool, int | None]) -> _native.RoundPlan:
+        steps = self._plain_steps(remaining, kept)
         plan.plain_steps, plan.in_flight = steps, self.target.in_flight(self.seq)
         # an n-gram lookup needs no logits of earlier steps, and a round of its proposals verifies
         # after a decode left in flight: each single step's decode runs while Python looks up the
