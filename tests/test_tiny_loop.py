@@ -271,7 +271,6 @@ def test_a_reply_ends_where_the_context_ends(tiny_model):
         assert cache_holds(r.ctx) <= r.ctx.n_ctx
 
 
-
 def _watch_rounds(monkeypatch) -> list[tuple[int, int, int]]:
     """(k, plain_steps, tokens made) of each native round from now on: the real call, watched."""
     from edgerun.decode import generate as generate_module
