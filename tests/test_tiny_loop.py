@@ -190,6 +190,53 @@ def test_long_ngram_drafts_verify_by_the_graphs_pick(plain, long_ngram, tiny_mod
         long_ngram.spec_config = base
 
 
+def test_a_round_from_a_decode_in_flight_costs_the_governor_its_host_gap_too(ngram, monkeypatch):
+    """A round that starts from a decode the last round left in flight finds it (nearly) done:
+    that decode ran while the host handled the last round. The governor is taught the round's
+    time plus that gap (its wall time), not the native call's alone, which on a GPU showed a
+    plain step at a third of its cost. Forced here on the CPU, with a clock that the host's
+    work between rounds moves by a known gap; without the overlap the native timing is taught
+    as it is."""
+    from edgerun.decode import generate as generate_module
+    from edgerun.decode import speculative
+
+    clock, gap = [1000.0], 0.25
+    monkeypatch.setattr(speculative.time, "perf_counter", lambda: clock[0])
+    calls = []  # (started in flight, native seconds, tokens of plain steps) of each round
+    real_round = generate_module._native.round
+
+    def watched(plan, rng):
+        clock[0] += gap  # the host's work between two rounds
+        result = real_round(plan, rng)
+        clock[0] += result.draft_s + result.verify_s
+        calls.append((plan.in_flight, result.verify_s, 1 + len(result.more)))
+        return result
+
+    taught = []  # the seconds each governor update was given (a step's, or a drafted round's)
+    real_update = governor.update
+
+    def watched_update(state, **kw):
+        taught.append(kw["verify_s"])
+        return real_update(state, **kw)
+
+    monkeypatch.setattr(generate_module._native, "round", watched)
+    monkeypatch.setattr(speculative.governor, "update", watched_update)
+    base = ngram.spec_config
+    try:
+        for overlap in (False, True):
+            ngram.spec_config = replace(base, overlap=overlap)
+            calls.clear()
+            taught.clear()
+            _reply(ngram, max_tokens=64)
+            assert len(taught) == len(calls)  # one governor (the n-gram one), one update a round
+            assert any(started for started, _, _ in calls[1:]) == overlap
+            for i, ((started, native, steps), seconds) in enumerate(zip(calls, taught)):
+                wall = native + (gap if started and i > 0 else 0.0)
+                assert seconds * steps == pytest.approx(wall, abs=1e-9), (i, started, native, steps, seconds)
+    finally:
+        ngram.spec_config = base
+
+
 def test_governed_ngram_drafts_equal_plain_decoding(plain, tiny_model):
     """The governor as a user gets it, from injected costs where batching is free (so it drafts
     long as soon as acceptance allows); what it then learns in the reply moves k, never the tokens."""

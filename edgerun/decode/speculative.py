@@ -130,6 +130,8 @@ class Speculator:
         self.off_why: Decision | None = None  # the give-up, while the mode is PLAIN for a model draft
         self._planned = _Planned("none", NO_DRAFTER)
         self._least: tuple | None = None  # (key, plain step's cost, answer): see _least_match
+        self._in_flight = False  # the planned round starts from a decode the last one left in flight
+        self._returned: float | None = None  # when the last native round returned (perf_counter)
 
     @property
     def governed(self) -> bool:
@@ -252,6 +254,11 @@ class Speculator:
     def plan(self, last: int, remaining: int = 1) -> _native.RoundPlan:
         """The next round's plan: the one place a RoundPlan is built. `remaining`: tokens the reply
         may still produce."""
+        plan = self._plan(last, remaining)
+        self._in_flight = plan.in_flight
+        return plan
+
+    def _plan(self, last: int, remaining: int) -> _native.RoundPlan:
         plan = _native.RoundPlan()
         committed = self.target.held(self.seq)
         plan.target, plan.seq, plan.last, plan.target_n_past = self.target.address, self.seq, last, len(committed)
@@ -319,6 +326,7 @@ class Speculator:
 
     def after(self, result: _native.RoundResult) -> Round:
         """Commit what the round left in each KV cache and teach the governors."""
+        hidden = self._hidden(result)  # first: it reads the clock at the round's return
         planned = self._planned
         self.target.commit(self.seq, result.target, drafted=len(result.drafts))
         drafts, accepted, more = result.drafts, result.accepted, result.more
@@ -327,6 +335,7 @@ class Speculator:
         if self.ngram:  # what came before the round's last token (the next plan adds that one)
             self.ngram.extend([*drafts[:accepted], result.next, *result.more][:-1])
         steps = 1 + len(more)
+        seconds = result.verify_s + hidden
         # a round without drafts is a plain step: every governor learns the plain cost from it.
         # The draft's catch-up (the prompt, or tokens made while it was off) is prefill work, not
         # the per-token cost that decides k: the stats report it, the governor does not count it.
@@ -334,11 +343,27 @@ class Speculator:
             if name in self.memory:
                 self.memory.put(name, governor.update(
                     self.memory.get(name), k=planned.decision.k if drafts else 0, drafted=len(drafts),
-                    accepted=accepted, draft_s=result.draft_s, verify_s=result.verify_s / steps, steps=steps,
+                    accepted=accepted, draft_s=result.draft_s, verify_s=seconds / steps, steps=steps,
                     match=planned.match if drafts else None, cold=planned.cold and bool(drafts)))
         return Round(planned.drafter, planned.decision.k, len(drafts), accepted,
                      result.draft_s + planned.catch_up_s, result.verify_s, planned.decision,
                      cold=planned.cold and bool(drafts))
+
+    def _hidden(self, result: _native.RoundResult) -> float:
+        """The part of a round's target work its own timing does not show: a round that starts
+        from a decode the last one left in flight finds that decode done or nearly so, since it
+        ran while the host handled the last round and planned this one. Its time is that gap,
+        from the last round's return to this one's call (the host's time, where the host took
+        longer than the decode). Without it a plain step on a GPU reads as the wait for the rest
+        of its decode: on an H100 with the 1.5B, 0.65-1.1 ms after a proposal was priced against
+        2.0-2.1 ms for a step, and plain decoding then outran copies of up to 64 matched tokens
+        (docs/ARCHITECTURE.md, "A decode left in flight")."""
+        now = time.perf_counter()
+        hidden = 0.0
+        if self._in_flight and self._returned is not None:
+            hidden = max(0.0, now - result.draft_s - result.verify_s - self._returned)
+        self._returned = now
+        return hidden
 
     def finish(self) -> None:
         """The reply is over: each KV keeps only what was recorded (a decode left in flight goes;
