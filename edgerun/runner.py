@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import threading
 import time
@@ -250,6 +251,7 @@ class Runner:
         prompt prefill and a losing round, more than a short reply wins back, and an n-gram
         drafter would spend its first rounds measuring."""
         key = self._cost_key()
+        self._kept_costs = key  # the table close() lowers to what the replies measured
         best = cost_table.load(key) if key is not None else None
         if best is None:
             best = self._time_shapes()
@@ -317,8 +319,29 @@ class Runner:
         return handle
 
     def close(self) -> None:
+        self._lower_kept_costs()
         while self._owned:
             self._owned.pop().close()
+
+    def _lower_kept_costs(self) -> None:
+        """Lower the kept load-time costs to the verify sizes this session's replies timed faster
+        (cost_table.lower): the governors' own timings of the sizes they ran, once."""
+        key, self._kept_costs = getattr(self, "_kept_costs", None), None
+        governors = getattr(self, "governors", None)
+        if key is None or governors is None:
+            return
+        faster: dict[tuple[str, int], float] = {}
+        for name in ("ngram", "model"):
+            state = governors.get(name)
+            if state is not None:
+                timed = dict(state.verify_s)
+                for n in state.verify_seen:
+                    faster[("verify", n)] = min(faster.get(("verify", n), math.inf), timed[n])
+        if faster:
+            try:
+                cost_table.lower(key, faster)
+            except (OSError, ValueError):
+                pass  # a table that cannot be read or kept is timed again at the next start
 
     def __enter__(self) -> "Runner":
         return self

@@ -58,6 +58,36 @@ def test_a_table_with_a_value_past_json_reads_as_none(tmp_path):
     assert cost_table.load(KEY, tmp_path, now=1000.0) is None
 
 
+def test_a_kept_table_is_lowered_where_a_session_timed_a_shape_faster_and_keeps_its_age(tmp_path):
+    cost_table.save(KEY, TIMINGS, tmp_path, now=1000.0)
+    faster = {("verify", 1): 0.05, ("verify", 2): 0.3, ("verify", 9): 0.01, ("draft", 1): float("nan")}
+    assert cost_table.lower(KEY, faster, tmp_path, now=1001.0)
+    doc = json.loads(cost_table.table_path(KEY, tmp_path).read_text())
+    assert doc["saved"] == 1000.0  # still timed again a week after it was timed
+    assert cost_table.load(KEY, tmp_path, now=1000.0) == {**TIMINGS, ("verify", 1): 0.05}
+    assert not cost_table.lower(KEY, faster, tmp_path, now=1001.0)  # nothing lower now: not written again
+    assert not cost_table.lower({**KEY, "engine": {"n_threads": 4}}, faster, tmp_path, now=1001.0)  # none of that key
+    assert not cost_table.lower(KEY, {("verify", 1): 0.01}, tmp_path, now=1000.0 + cost_table.MAX_AGE_S + 1)  # too old
+
+
+def test_a_runner_lowers_its_kept_table_to_the_sizes_its_replies_timed(tiny_model, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setenv("EDGERUN_KV_DIR", str(tmp_path / "kv"))
+    with Runner(tiny_model, ENGINE, ngram=True) as first:
+        timed = dict(_verify(first))
+        state = first.governors.get("ngram")
+        # what the replies left: sizes 2 and 16 timed in them, 2 faster than kept and 16 slower
+        learned = {**timed, 2: timed[2] / 2, 16: timed[16] * 2, 3: timed[3] / 2}
+        first.governors.put("ngram", replace(state, verify_s=tuple(sorted(learned.items())), verify_seen=(2, 16)))
+    table, = cost_table.default_dir().glob("*.json")
+    kept = json.loads(table.read_text())
+    with Runner(tiny_model, ENGINE, ngram=True) as second:
+        read = dict(_verify(second))
+    assert read == {**timed, 2: timed[2] / 2}  # 3 was not timed in a reply, 16 was not faster
+    assert json.loads(table.read_text())["saved"] == kept["saved"]
+
+
 def _verify(runner: Runner) -> tuple:
     return runner.governors.get("ngram").verify_s
 

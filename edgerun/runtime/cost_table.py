@@ -4,7 +4,7 @@ paying for it. On CPUs that is most of a start: for the 1.5B on 2 cores, 2.4 s o
 `edgerun chat`, `run` or `serve`, at every start. The table is kept here, one file per model,
 build, machine and engine settings: the seconds of each shape the key names, from which the
 runner builds each governor's costs as it does from a timing. A later start on the same ones
-reads it instead.
+reads it instead, and the runner lowers it where its replies timed a shape faster (lower).
 
 Only CPU-only placements keep one: on a GPU the timing is a fraction of a second and doubles as
 the warm-up of those batch shapes (CUDA graph capture). What a table says is a prior either way:
@@ -77,6 +77,24 @@ def save(key: dict, timings: dict[tuple[str, int], float], root: Path | None = N
     except OSError as e:
         return f"the load-time costs were not kept ({e})"
     return None
+
+
+def lower(key: dict, faster: dict[tuple[str, int], float], root: Path | None = None, *,
+          now: float | None = None) -> bool:
+    """Lower the kept seconds of the key's shapes to those of `faster` that are below them (what a
+    session's replies measured), keeping the table's age: a table timed while the machine was
+    busy is corrected by use where use ran its shapes, and still timed again after MAX_AGE_S.
+    Noise only adds time, so the lower figure is the truer one. Whether the table was rewritten
+    (not when nothing was lower, nor when there is no usable table to lower)."""
+    kept = load(key, root, now=now)
+    if kept is None:
+        return False
+    lowered = {shape: min(t, faster[shape]) if _number(faster.get(shape)) and faster[shape] > 0 else t
+               for shape, t in kept.items()}
+    if lowered == kept:
+        return False
+    saved = json.loads(table_path(key, root).read_text())["saved"]
+    return save(key, lowered, root, now=saved) is None
 
 
 def clear(root: Path | None = None) -> int:
