@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
 import threading
 import time
 from collections.abc import Iterator

@@ -49,6 +49,12 @@ def table_path(key: dict, root: Path | None = None) -> Path:
 def load(key: dict, root: Path | None = None, *, now: float | None = None) -> dict[tuple[str, int], float] | None:
     """The seconds kept for each of the key's shapes, or None when there are none that can be
     used: missing, unreadable, made for another key, older than MAX_AGE_S, or not timings."""
+    kept = _kept(key, root, now)
+    return None if kept is None else kept[1]
+
+
+def _kept(key: dict, root: Path | None, now: float | None) -> tuple[float, dict[tuple[str, int], float]] | None:
+    """(when it was timed, the seconds of each shape) of a usable kept table (see load)."""
     try:
         doc = json.loads(table_path(key, root).read_text())
     except (OSError, ValueError):
@@ -64,7 +70,7 @@ def load(key: dict, root: Path | None = None, *, now: float | None = None) -> di
         return None
     if not all(_number(t) and 0 < t < MAX_SECONDS for t in seconds):
         return None
-    return dict(zip(shapes, map(float, seconds)))
+    return float(saved), dict(zip(shapes, map(float, seconds)))
 
 
 def save(key: dict, timings: dict[tuple[str, int], float], root: Path | None = None, *,
@@ -86,15 +92,13 @@ def lower(key: dict, faster: dict[tuple[str, int], float], root: Path | None = N
     busy is corrected by use where use ran its shapes, and still timed again after MAX_AGE_S.
     Noise only adds time, so the lower figure is the truer one. Whether the table was rewritten
     (not when nothing was lower, nor when there is no usable table to lower)."""
-    kept = load(key, root, now=now)
+    kept = _kept(key, root, now)
     if kept is None:
         return False
+    saved, table = kept
     lowered = {shape: min(t, faster[shape]) if _number(faster.get(shape)) and faster[shape] > 0 else t
-               for shape, t in kept.items()}
-    if lowered == kept:
-        return False
-    saved = json.loads(table_path(key, root).read_text())["saved"]
-    return save(key, lowered, root, now=saved) is None
+               for shape, t in table.items()}
+    return lowered != table and save(key, lowered, root, now=saved) is None
 
 
 def clear(root: Path | None = None) -> int:
