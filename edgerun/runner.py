@@ -121,6 +121,7 @@ class Runner:
         "ngram"), the costs to govern with instead of timing them at load (tests and benchmarks
         inject them, so no decision depends on how fast the machine was at load)."""
         self.settings = settings or EngineSettings()
+        self._kept_costs: dict | None = None  # the key of the cost table close() lowers (_load_costs)
         self.path = resolve(str(model_spec))
         self.draft_spec = draft_for(str(model_spec), draft)
         self.draft_path = resolve(self.draft_spec) if self.draft_spec else None
@@ -325,13 +326,12 @@ class Runner:
     def _lower_kept_costs(self) -> None:
         """Lower the kept load-time costs to the verify sizes this session's replies timed faster
         (cost_table.lower): the governors' own timings of the sizes they ran, once."""
-        key, self._kept_costs = getattr(self, "_kept_costs", None), None
-        governors = getattr(self, "governors", None)
-        if key is None or governors is None:
+        key, self._kept_costs = self._kept_costs, None
+        if key is None:  # none kept, or the load failed before the governors were made
             return
         faster: dict[tuple[str, int], float] = {}
         for name in ("ngram", "model"):
-            state = governors.get(name)
+            state = self.governors.get(name)
             if state is not None:
                 timed = dict(state.verify_s)
                 for n in state.verify_seen:

@@ -835,3 +835,13 @@ def test_the_least_match_key_ignores_plain_steps_until_a_re_check_is_due():
     assert gov.least_match_holds(0.02, 0.021) and gov.least_match_holds(0.02, 0.0185)
     assert not gov.least_match_holds(0.02, 0.0225) and not gov.least_match_holds(0.02, 0.0175)
     assert not gov.least_match_holds(None, 0.02)  # worked out before the plain step was timed
+
+
+def test_plain_cost_is_the_one_token_size_of_the_sorted_table():
+    """Timings given in any order are kept sorted, so the plain step's is the first entry's."""
+    s = gov.from_costs(gov.Costs(((4, 0.09), (1, 0.05), (2, 0.06)), draft_step_s=0.0), warm_rounds=1)
+    assert gov.plain_cost(s) == 0.05
+    s = update(s, k=0, drafted=0, accepted=0, draft_s=0.0, verify_s=0.04)
+    assert gov.plain_cost(s) == 0.04
+    assert gov.plain_cost(gov.from_costs(gov.Costs(((4, 0.09), (2, 0.06)), draft_step_s=0.0), warm_rounds=1)) is None
+    assert gov.plain_cost(GovernorState()) is None

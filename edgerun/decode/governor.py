@@ -457,8 +457,10 @@ def least_match_key(state: GovernorState) -> tuple:
 
 
 def plain_cost(state: GovernorState) -> float | None:
-    """The plain step's cost as the state has it (None before any timing)."""
-    return dict(state.verify_s).get(1)
+    """The plain step's cost as the state has it (None before any timing): verify_s is sorted by
+    size, so it is the first entry's if any (asked at every plan of an n-gram reply)."""
+    first = state.verify_s[0] if state.verify_s else None
+    return first[1] if first is not None and first[0] == 1 else None
 
 
 def least_match_holds(then: float | None, now: float | None) -> bool:

@@ -130,7 +130,6 @@ class Speculator:
         self.off_why: Decision | None = None  # the give-up, while the mode is PLAIN for a model draft
         self._planned = _Planned("none", NO_DRAFTER)
         self._least: tuple | None = None  # (key, plain step's cost, answer): see _least_match
-        self._in_flight = False  # the planned round starts from a decode the last one left in flight
         self._returned: float | None = None  # when the last native round returned (perf_counter)
 
     @property
@@ -254,11 +253,6 @@ class Speculator:
     def plan(self, last: int, remaining: int = 1) -> _native.RoundPlan:
         """The next round's plan: the one place a RoundPlan is built. `remaining`: tokens the reply
         may still produce."""
-        plan = self._plan(last, remaining)
-        self._in_flight = plan.in_flight
-        return plan
-
-    def _plan(self, last: int, remaining: int) -> _native.RoundPlan:
         plan = _native.RoundPlan()
         committed = self.target.held(self.seq)
         plan.target, plan.seq, plan.last, plan.target_n_past = self.target.address, self.seq, last, len(committed)
@@ -326,7 +320,7 @@ class Speculator:
 
     def after(self, result: _native.RoundResult) -> Round:
         """Commit what the round left in each KV cache and teach the governors."""
-        hidden = self._hidden(result)  # first: it reads the clock at the round's return
+        hidden = self._hidden(result)  # first: the clock at the round's return, the KV as it began
         planned = self._planned
         self.target.commit(self.seq, result.target, drafted=len(result.drafts))
         drafts, accepted, more = result.drafts, result.accepted, result.more
@@ -360,7 +354,8 @@ class Speculator:
         (docs/ARCHITECTURE.md, "A decode left in flight")."""
         now = time.perf_counter()
         hidden = 0.0
-        if self._in_flight and self._returned is not None:
+        # before commit, the context still says whether the round began from a decode in flight
+        if self._returned is not None and self.target.in_flight(self.seq):
             hidden = max(0.0, now - result.draft_s - result.verify_s - self._returned)
         self._returned = now
         return hidden
